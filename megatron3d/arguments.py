@@ -1,0 +1,378 @@
+"""Megatron-DeepSpeed command-line flags and YAML config files -> ``TrainConfig``.
+
+The only module that knows argparse or YAML. The parser is generated from the fields of
+``config.SECTIONS`` (flag ``--foo-bar`` for field ``foo_bar``), so a new field is a new flag
+without touching this file. Precedence: dataclass defaults < ``--config`` YAML < flags.
+
+Every mistake raises ``ConfigError`` with one line naming the flag, the value and the fix;
+argparse never prints usage and exits by itself (``--help`` still prints and exits 0).
+This module only builds the config: cross-field checks are ``validation.validate``'s job,
+because they need the world size, which is unknown while parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import functools
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron3d.config import SECTIONS, TrainConfig
+from megatron3d.errors import ConfigError
+
+CONFIG_FLAG = "--config"
+_COMMAND_LINE = "on the command line"
+_METAVARS = {int: "INT", float: "FLOAT", str: "STR"}
+_EXPECTED = {
+    int: "a whole number such as 24 (underscores allowed: 9_765_625)",
+    float: "a number such as 3e-4",
+    str: "a string",
+    bool: "true or false",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """What one config field accepts, read once from its dataclass annotation."""
+
+    section: str
+    name: str
+    kind: type  # int, float, str or bool; the element type for tuples
+    optional: bool  # None is a valid value (meaning "unset, use the documented default")
+    choices: tuple[str, ...] | None
+    nargs: int | None
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def metavar(self) -> str:
+        if self.choices:
+            return "{" + ",".join(self.choices) + "}"
+        return _METAVARS[self.kind]
+
+    @property
+    def usage(self) -> str:
+        """How the flag is written on a command line, e.g. ``--rampup-batch-size INT INT INT``."""
+        if self.kind is bool:
+            return self.flag
+        return " ".join([self.flag] + [self.metavar] * (self.nargs or 1))
+
+    @property
+    def expected(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.nargs:
+            return f"{self.nargs} values, each {_EXPECTED[self.kind]}"
+        return _EXPECTED[self.kind]
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); anything else -> (annotation, False)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        assert len(args) == 1, f"unsupported union annotation {annotation}"
+        return args[0], True
+    return annotation, False
+
+
+def _field_spec(section: str, field: dataclasses.Field, annotation: Any) -> FieldSpec:
+    inner, optional = _unwrap_optional(annotation)
+    kind, choices, nargs = inner, None, None
+    if typing.get_origin(inner) is Literal:
+        choices = typing.get_args(inner)
+        kind = type(choices[0])
+    elif typing.get_origin(inner) is tuple:
+        elements = typing.get_args(inner)
+        kind, nargs = elements[0], field.metadata.get("nargs", len(elements))
+        assert nargs == len(elements) and len(set(elements)) == 1, f"bad tuple field {field.name}"
+    assert kind in _EXPECTED, f"field {field.name}: no flag type for {annotation}"
+    assert kind is not bool or field.default is False, f"bool field {field.name} must default False"
+    return FieldSpec(
+        section=section,
+        name=field.name,
+        kind=kind,
+        optional=optional or field.default is None,
+        choices=choices,
+        nargs=nargs,
+        default=field.default,
+        help=field.metadata["help"],
+    )
+
+
+@functools.cache
+def field_specs() -> Mapping[str, FieldSpec]:
+    """Field name -> spec for every field of every section, in ``--help`` order (read-only)."""
+    specs: dict[str, FieldSpec] = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            assert field.name not in specs, f"field {field.name} appears in two sections"
+            specs[field.name] = _field_spec(section, field, hints[field.name])
+    return types.MappingProxyType(specs)
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _convert(kind: type, value: Any) -> Any:
+    """``value`` as ``kind``; ValueError if it is not one. Strings come from the command line
+    or from YAML (which reads ``1e-4`` as a string); ``int()`` accepts ``9_765_625``."""
+    if isinstance(value, bool) != (kind is bool):  # bool is an int subclass: never mix them
+        raise ValueError(value)
+    if isinstance(value, kind):
+        return value
+    if kind is float and isinstance(value, int):
+        return float(value)
+    if kind in (int, float) and isinstance(value, str):
+        return kind(value.strip())
+    raise ValueError(value)
+
+
+def coerce(spec: FieldSpec, value: Any, source: str) -> Any:
+    """Check and convert one raw value (a string, or a YAML scalar or list) for ``spec``.
+
+    ``source`` says where the value came from, worded to follow "invalid value", e.g.
+    "on the command line" or "in config file run.yaml".
+    """
+    if value is None and spec.optional:
+        return None
+    try:
+        if spec.nargs is None:
+            result = _convert(spec.kind, value)
+        elif isinstance(value, list | tuple) and len(value) == spec.nargs:
+            result = tuple(_convert(spec.kind, item) for item in value)
+        else:
+            raise ValueError(value)
+    except ValueError:
+        raise ConfigError(
+            f"invalid value {source} ({spec.flag}={value!r}): expected {spec.expected}"
+        ) from None
+    if spec.choices and result not in spec.choices:
+        close = difflib.get_close_matches(result, spec.choices, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"invalid choice {source} ({spec.flag}={value!r}): expected {spec.expected}{hint}"
+        )
+    return result
+
+
+def _coerce_all(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    specs = field_specs()
+    return {name: coerce(specs[name], value, source) for name, value in raw.items()}
+
+
+def _field_name(key: Any, source: str) -> str:
+    """A YAML key (flag name with dashes or underscores, no ``--``) -> field name."""
+    name = key.replace("-", "_") if isinstance(key, str) else ""
+    if name in field_specs():
+        return name
+    close = difflib.get_close_matches(name.lstrip("_"), list(field_specs()), n=1)
+    hint = f"did you mean {close[0].replace('_', '-')!r}?" if close else "see --help for the flags"
+    raise ConfigError(
+        f"unknown key {source} ({key!r}): {hint} (keys are flag names without the '--')"
+    )
+
+
+def _normalise_keys(raw: Mapping[Any, Any], source: str) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = _field_name(key, source)
+        if name in values:
+            raise ConfigError(
+                f"key given twice {source} ({key!r}): keep one spelling of {name!r}"
+            )
+        values[name] = value
+    return values
+
+
+def _assemble(values: Mapping[str, Any]) -> TrainConfig:
+    """Checked field values -> TrainConfig; fields not given keep their dataclass default."""
+    specs = field_specs()
+    by_section: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for name, value in values.items():
+        by_section[specs[name].section][name] = value
+    return TrainConfig(**{s: cls(**by_section[s]) for s, cls in SECTIONS.items()})
+
+
+def config_from_dict(raw: Mapping[Any, Any], source: str = "in the mapping") -> TrainConfig:
+    """A flat ``{flag name: value}`` mapping (the YAML form) -> TrainConfig."""
+    return _assemble(_coerce_all(_normalise_keys(raw, source), source))
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Flat ``{field name: value}`` of every field, in section order.
+
+    Keys use the underscore spelling of the flag names (``num_layers`` for ``--num-layers``),
+    which the YAML ``--config`` file accepts, so ``config_from_dict(config_to_dict(cfg))``
+    round-trips; tuples become lists so ``yaml.safe_dump`` can write them.
+    """
+    values: dict[str, Any] = {}
+    for section in SECTIONS:
+        part = getattr(cfg, section)
+        for field in dataclasses.fields(part):
+            value = getattr(part, field.name)
+            values[field.name] = list(value) if isinstance(value, tuple) else value
+    return values
+
+
+def format_config(cfg: TrainConfig) -> str:
+    """The Megatron-style block of sorted ``name ..... value`` lines logged once at start."""
+    lines = ["------------------------ arguments ------------------------"]
+    for name, value in sorted(config_to_dict(cfg).items()):
+        lines.append(f"  {name} {'.' * max(3, 48 - len(name))} {value}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The ``--config`` YAML file as ``{field name: raw value}``; ConfigError if unusable."""
+    where = f"({CONFIG_FLAG}={path})"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found {where}: check the path") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {where}: {err}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        detail = " ".join(str(err).split())
+        raise ConfigError(f"config file is not valid YAML {where}: fix {detail}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config file is a {type(raw).__name__}, not a mapping {where}: "
+            "write one 'flag-name: value' per line"
+        )
+    return _normalise_keys(raw, f"in config file {path}")
+
+
+# --------------------------------------------------------------------------- argparse
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """An ArgumentParser that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"invalid command line: {message}: run with --help to see every flag")
+
+
+def _help_text(spec: FieldSpec) -> str:
+    text = spec.help
+    if spec.default is not None and spec.default is not False:
+        text += f" Default: {spec.default}."
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """One flag per config field, grouped by section. Values stay strings: ``coerce`` converts
+    them, so the command line and YAML share one set of checks and error messages. Flags not
+    given are absent from the namespace, which is how YAML values survive unless overridden."""
+    parser = _RaisingParser(
+        prog=prog,
+        description="Train a GPT model with tensor, pipeline and data parallelism.",
+        allow_abbrev=False,  # a prefix of a flag is a typo, never silently another flag
+        exit_on_error=False,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        CONFIG_FLAG, metavar="FILE", default=argparse.SUPPRESS,
+        help="YAML mapping of flag names (without '--') to values; flags given on the "
+        "command line override it.",
+    )
+    groups = {
+        section: parser.add_argument_group(section, (cls.__doc__ or "").strip())
+        for section, cls in SECTIONS.items()
+    }
+    for spec in field_specs().values():
+        kwargs: dict[str, Any] = {"action": "store_true"} if spec.kind is bool else {
+            "metavar": spec.metavar, "nargs": spec.nargs,
+        }
+        groups[spec.section].add_argument(
+            spec.flag, dest=spec.name, default=argparse.SUPPRESS, help=_help_text(spec), **kwargs
+        )
+    return parser
+
+
+def _known_flags() -> list[str]:
+    return [CONFIG_FLAG, "--help"] + [spec.flag for spec in field_specs().values()]
+
+
+def _argument_error(err: argparse.ArgumentError) -> ConfigError:
+    """argparse's complaint about a known flag (missing value, value on a switch)."""
+    flag = err.argument_name or "?"
+    by_flag = {spec.flag: spec for spec in field_specs().values()}
+    spec = by_flag.get(flag)
+    if spec is not None and spec.kind is bool:
+        fix = f"{flag} is a switch: give it alone, with no value"
+    else:
+        fix = f"write it as '{spec.usage if spec else flag + ' VALUE'}'"
+    return ConfigError(f"{err.message} {_COMMAND_LINE} ({flag}): {fix}")
+
+
+def _looks_like_flag(arg: str) -> bool:
+    """``-x``/``--x`` but not a negative number such as ``-1e-3``."""
+    try:
+        float(arg)
+    except ValueError:
+        return arg.startswith("-")
+    return False
+
+
+def _unknown_argument(extras: list[str]) -> ConfigError:
+    """The first leftover argument: an unknown flag, or a value that follows no flag."""
+    first = extras[0]
+    if not _looks_like_flag(first):
+        return ConfigError(
+            f"unexpected value {_COMMAND_LINE} ({first!r}): every value must follow a flag that "
+            "takes it; check how many values the flag before it takes (see --help)"
+        )
+    flag, _, inline = first.partition("=")
+    value = inline or (extras[1] if len(extras) > 1 and not _looks_like_flag(extras[1]) else "")
+    close = difflib.get_close_matches(flag.replace("_", "-"), _known_flags(), n=1)
+    hint = f"did you mean {close[0]}?" if close else "run with --help to see every flag"
+    shown = f"{flag}={value}" if value else flag
+    return ConfigError(f"unknown flag {_COMMAND_LINE} ({shown}): {hint}")
+
+
+def _parse_command_line(argv: Sequence[str]) -> dict[str, Any]:
+    """Flags actually given -> raw values (strings, string lists, True for switches)."""
+    try:
+        namespace, extras = build_parser().parse_known_args(list(argv))
+    except argparse.ArgumentError as err:
+        raise _argument_error(err) from None
+    if extras:
+        raise _unknown_argument(extras)
+    return vars(namespace)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Command line (``sys.argv[1:]`` by default) plus optional ``--config`` YAML -> config.
+
+    Raises ConfigError for unknown flags or keys and badly typed values; ``--help`` prints
+    the flags and exits 0. The result is not yet validated: call ``validation.validate``.
+    """
+    given = _parse_command_line(sys.argv[1:] if argv is None else argv)
+    config_path = given.pop("config", None)
+    values: dict[str, Any] = {}
+    if config_path is not None:
+        source = f"in config file {config_path}"
+        values.update(_coerce_all(read_config_file(config_path), source))
+    values.update(_coerce_all(given, _COMMAND_LINE))
+    return _assemble(values)

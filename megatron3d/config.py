@@ -1,0 +1,206 @@
+"""Typed, frozen configuration for a training run.
+
+Every field name is the Megatron-DeepSpeed flag name with dashes turned into underscores, and
+each name appears in exactly one section, so ``arguments.py`` maps flags and YAML keys to
+fields without a hand-written table. The ``help`` metadata is the field's documentation and
+the ``--help`` text. Values derived from several fields are properties, never stored twice.
+Cross-field checks live in ``validation.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+PositionEmbeddingType = Literal["learned_absolute", "rope", "alibi"]
+Normalization = Literal["layernorm", "rmsnorm"]
+LRDecayStyle = Literal["constant", "linear", "cosine"]
+
+
+def _opt(default, help: str, **extra):  # noqa: A002 - mirrors argparse's keyword
+    """A dataclass field whose ``help`` documents it and becomes the flag's help text."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The GPT family: GPT-2 by default, BLOOM and Llama-style through flags."""
+
+    num_layers: int = _opt(None, "Number of transformer blocks.")
+    hidden_size: int = _opt(None, "Transformer hidden size h.")
+    num_attention_heads: int = _opt(None, "Attention heads; must divide hidden size.")
+    ffn_hidden_size: int | None = _opt(
+        None, "MLP inner size; default 4h, or 2/3 of 4h rounded down to 64 with --swiglu.")
+    seq_length: int = _opt(None, "Tokens per training sample.")
+    max_position_embeddings: int | None = _opt(
+        None, "Learned position table size; default --seq-length.")
+    vocab_size: int | None = _opt(
+        None, "Logical vocabulary size (the null/mock tokenizer's size).")
+    make_vocab_size_divisible_by: int = _opt(
+        128, "Pad the vocabulary to a multiple of this times the TP size.")
+    position_embedding_type: PositionEmbeddingType = _opt(
+        "learned_absolute", "learned_absolute (GPT-2), alibi (BLOOM) or rope (Llama).")
+    rotary_base: float = _opt(10000.0, "Base of the rotary frequencies.")
+    normalization: Normalization = _opt("layernorm", "layernorm or rmsnorm.")
+    layernorm_epsilon: float = _opt(1e-5, "Epsilon of every normalisation layer.")
+    swiglu: bool = _opt(False, "SwiGLU MLP (gate and up projections, SiLU).")
+    embed_layernorm: bool = _opt(False, "LayerNorm right after the word embedding (BLOOM).")
+    untie_embeddings_and_output_weights: bool = _opt(
+        False, "Give the LM head its own weight instead of the input embedding's.")
+    disable_bias_linear: bool = _opt(False, "No biases in linear layers (Llama-style).")
+    init_method_std: float = _opt(0.02, "Std of the normal initialisation.")
+    hidden_dropout: float = _opt(0.1, "Dropout on attention and MLP outputs.")
+    attention_dropout: float = _opt(0.1, "Dropout on attention probabilities.")
+    checkpoint_activations: bool = _opt(
+        False, "Recompute each transformer block in the backward pass to save memory.")
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3) // 64 * 64
+        return 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def add_bias(self) -> bool:
+        return not self.disable_bias_linear
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Vocabulary rows actually allocated; the extra rows are zero and masked out."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The parallel layout; the data-parallel size is derived from the world size."""
+
+    tensor_model_parallel_size: int = _opt(1, "Tensor-parallel size (TP).")
+    pipeline_model_parallel_size: int = _opt(1, "Pipeline-parallel size (PP).")
+    zero_stage: int = _opt(0, "ZeRO stage for data parallelism (0, 1 or 3).")
+    pp_partition_method: str = _opt(
+        "parameters", "Pipeline partitioning: uniform, parameters or type:REGEX.")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """Batch sizes, run length, evaluation cadence and the seed."""
+
+    micro_batch_size: int = _opt(None, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: int | None = _opt(
+        None, "Samples per optimizer step; default micro batch size x DP size.")
+    rampup_batch_size: tuple[int, int, int] | None = _opt(
+        None, "START INCR SAMPLES: grow the global batch from START by INCR over SAMPLES.",
+        nargs=3)
+    train_iters: int | None = _opt(None, "Optimizer steps to run (or use --train-samples).")
+    train_samples: int | None = _opt(None, "Samples to train on (or use --train-iters).")
+    eval_interval: int = _opt(1000, "Evaluate every this many iterations.")
+    eval_iters: int = _opt(100, "Global batches per evaluation.")
+    seed: int = _opt(1234, "Seed for initialisation, data and dropout.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters and gradient clipping."""
+
+    lr: float | None = _opt(None, "Peak learning rate.")
+    min_lr: float = _opt(0.0, "Learning rate at the end of decay.")
+    weight_decay: float = _opt(0.01, "Decoupled weight decay (biases and norms get none).")
+    clip_grad: float = _opt(1.0, "Clip the global gradient norm to this; 0 disables.")
+    adam_beta1: float = _opt(0.9, "Adam beta1.")
+    adam_beta2: float = _opt(0.999, "Adam beta2.")
+    adam_eps: float = _opt(1e-8, "Adam epsilon.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRScheduleConfig:
+    """Warmup then decay, measured in samples (iteration flags are converted)."""
+
+    lr_decay_style: LRDecayStyle = _opt("linear", "constant, linear or cosine.")
+    lr_warmup_iters: int = _opt(0, "Warmup length in iterations.")
+    lr_warmup_samples: int = _opt(0, "Warmup length in samples.")
+    lr_warmup_fraction: float | None = _opt(None, "Warmup as a fraction of the decay length.")
+    lr_decay_iters: int | None = _opt(None, "Decay length in iterations; default the run.")
+    lr_decay_samples: int | None = _opt(None, "Decay length in samples; default the run.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """fp32 (default), bf16 with fp32 master weights, or fp16 with loss scaling."""
+
+    bf16: bool = _opt(False, "bf16 parameters and activations, fp32 master weights and grads.")
+    fp16: bool = _opt(False, "fp16 parameters and activations with dynamic loss scaling.")
+    loss_scale: float | None = _opt(None, "Static fp16 loss scale; default dynamic.")
+    initial_loss_scale: float = _opt(2.0**32, "Starting dynamic loss scale.")
+    min_loss_scale: float = _opt(1.0, "Smallest dynamic loss scale.")
+    loss_scale_window: int = _opt(1000, "Clean steps before the dynamic scale doubles.")
+    hysteresis: int = _opt(2, "Overflows tolerated before the dynamic scale halves.")
+
+    @property
+    def params_dtype_name(self) -> str:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where training samples come from."""
+
+    mock_data: bool = _opt(False, "Synthetic Markov-chain tokens; needs --vocab-size.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """The log line and TensorBoard."""
+
+    log_interval: int = _opt(100, "Print the iteration line every this many iterations.")
+    tensorboard_dir: str | None = _opt(None, "Write TensorBoard event files here.")
+    peak_tflops: float | None = _opt(
+        None, "Device peak TFLOP/s for MFU; default known for A100/H100.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The whole run; each section is one concern."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "lr_schedule": LRScheduleConfig,
+    "precision": PrecisionConfig,
+    "data": DataConfig,
+    "logging": LoggingConfig,
+}
+"""Section name -> dataclass, in the order flags are listed in ``--help``."""

@@ -1,0 +1,44 @@
+"""Cut a global batch into this data-parallel rank's micro-batches.
+
+The global batch for a step is samples [consumed, consumed + gbs) of the dataset, whatever
+the layout; DP rank r takes the r-th contiguous slice and splits it into micro-batches. The
+position is a pure function of consumed samples, which is what makes resume exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class TokenDataset(Protocol):
+    def samples(self, start: int, count: int) -> torch.Tensor:
+        """int64 [count, seq_length + 1]."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    tokens: torch.Tensor  # [b, s] inputs
+    labels: torch.Tensor  # [b, s] next tokens
+    loss_mask: torch.Tensor  # [b, s] 1.0 where the token counts in the loss
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+
+def micro_batches(dataset: TokenDataset, consumed: int, global_batch_size: int,
+                  micro_batch_size: int, dp_rank: int, dp_size: int,
+                  device: torch.device) -> list[MicroBatch]:
+    """This rank's micro-batches of the global batch that starts at ``consumed``."""
+    per_rank = global_batch_size // dp_size
+    samples = dataset.samples(consumed + dp_rank * per_rank, per_rank)
+    samples = samples.to(device, non_blocking=True)  # [gbs/dp, s+1]
+    result = []
+    for chunk in samples.split(micro_batch_size):
+        tokens, labels = chunk[:, :-1], chunk[:, 1:]
+        mask = torch.ones(labels.shape, dtype=torch.float32, device=device)
+        result.append(MicroBatch(tokens=tokens, labels=labels, loss_mask=mask))
+    return result

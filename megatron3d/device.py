@@ -1,0 +1,91 @@
+"""The only module that knows about CUDA: device choice, backend and launcher environment.
+
+Everything else asks this module for ``device()`` and the distributed backend, so the same code
+runs on CPU with gloo (tests, laptops) and on GPUs with NCCL (clusters).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Dense bf16 peak TFLOP/s per GPU, used for MFU when --peak-tflops is not given.
+_PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher (torchrun, SLURM + torchrun, or nothing) told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launched: bool  # False: a plain `python pretrain_gpt.py` with one process
+
+
+def launch_env() -> LaunchEnv:
+    env = os.environ
+    if "WORLD_SIZE" not in env:
+        return LaunchEnv(rank=0, world_size=1, local_rank=0, launched=False)
+    return LaunchEnv(
+        rank=int(env.get("RANK", "0")),
+        world_size=int(env["WORLD_SIZE"]),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        launched=True,
+    )
+
+
+def accelerator_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def backend() -> str:
+    return "nccl" if accelerator_available() else "gloo"
+
+
+def device(local_rank: int = 0) -> torch.device:
+    if accelerator_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_device(local_rank: int) -> torch.device:
+    dev = device(local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def synchronize(dev: torch.device) -> None:
+    """Wait for queued kernels; only called at log boundaries and in benchmarks."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def peak_tflops(dev: torch.device) -> float | None:
+    """Known dense bf16 peak of the device, or None (CPU, unknown GPU)."""
+    if dev.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(dev)
+    return next((v for k, v in _PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def describe(dev: torch.device) -> str:
+    """One line naming the machine, printed by benchmarks next to their ratios."""
+    if dev.type == "cuda":
+        return f"{torch.cuda.get_device_name(dev)} (torch {torch.__version__})"
+    return f"CPU x{os.cpu_count()} threads={torch.get_num_threads()} (torch {torch.__version__})"
+
+
+def init_process_group(env: LaunchEnv) -> None:
+    """Join the job's process group; a plain one-process run gets a private in-memory store,
+    so the code path (groups, collectives) is the same as under torchrun."""
+    if dist.is_initialized():
+        return
+    if env.launched:
+        dist.init_process_group(backend(), rank=env.rank, world_size=env.world_size)
+    else:
+        dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1)

@@ -1,0 +1,70 @@
+"""Causal self-attention with heads split across tensor-parallel ranks.
+
+The fused QKV weight is laid out head by head ([heads, 3, head_dim] along the output
+dimension), so a column-parallel split gives each TP rank whole heads with their own q, k, v.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from megatron3d.model.context import LayerContext
+from megatron3d.model.positional import (
+    alibi_causal_bias,
+    alibi_slopes,
+    apply_rotary,
+    rotary_tables,
+)
+from megatron3d.mpu.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, ctx: LayerContext, name: str) -> None:
+        super().__init__()
+        cfg, tp = ctx.cfg, ctx.tp
+        h = cfg.hidden_size
+        self.head_dim = cfg.head_dim
+        self.local_heads = cfg.num_attention_heads // tp.size
+        self.dropout_p = cfg.attention_dropout
+        self.qkv = ColumnParallelLinear(h, 3 * h, name=f"{name}.qkv", init_std=ctx.init_std,
+                                        bias=cfg.add_bias, **ctx.layer_kwargs())
+        self.dense = RowParallelLinear(h, h, name=f"{name}.dense",
+                                       init_std=ctx.output_init_std, bias=cfg.add_bias,
+                                       **ctx.layer_kwargs())
+        self.position_type = cfg.position_embedding_type
+        if self.position_type == "rope":
+            cos, sin = rotary_tables(cfg.seq_length, self.head_dim, cfg.rotary_base, ctx.device)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        if self.position_type == "alibi":
+            first = tp.rank * self.local_heads
+            slopes = alibi_slopes(cfg.num_attention_heads)[first:first + self.local_heads]
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self._bias_cache: dict[tuple, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, _ = x.shape  # [s, b, h]
+        qkv = self.qkv(x).view(s, b, self.local_heads, 3, self.head_dim)  # [s, b, n/tp, 3, d]
+        q, k, v = qkv.unbind(dim=3)  # each [s, b, n/tp, d]
+        if self.position_type == "rope":
+            q = apply_rotary(q, self.rope_cos, self.rope_sin)
+            k = apply_rotary(k, self.rope_cos, self.rope_sin)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n/tp, s, d]
+        dropout = self.dropout_p if self.training else 0.0
+        if self.position_type == "alibi":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._alibi(s, q),
+                                                 dropout_p=dropout)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        return self.dense(out)  # [s, b, h]
+
+    def _alibi(self, s: int, like: torch.Tensor) -> torch.Tensor:
+        """The [n/tp, s, s] bias, built once per (length, dtype, device)."""
+        key = (s, like.dtype, like.device)
+        if key not in self._bias_cache:
+            self._bias_cache[key] = alibi_causal_bias(self.alibi_slopes, s, like.dtype,
+                                                      like.device)
+        return self._bias_cache[key]

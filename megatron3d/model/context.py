@@ -1,0 +1,42 @@
+"""What every layer needs to build itself: the model config, the TP axis, seed, dtype, device.
+
+Passed explicitly to each layer (no globals), and picklable into a LayerSpec so a pipeline
+stage can build its layers alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron3d.config import ModelConfig
+from megatron3d.mpu.state import AxisGroup
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    cfg: ModelConfig
+    tp: AxisGroup
+    seed: int
+    params_dtype: torch.dtype = torch.float32
+    device: torch.device | None = None
+
+    @property
+    def init_std(self) -> float:
+        return self.cfg.init_method_std
+
+    @property
+    def output_init_std(self) -> float:
+        """Megatron scales projections that feed the residual stream by 1/sqrt(2 * layers)."""
+        return self.cfg.init_method_std / math.sqrt(2.0 * self.cfg.num_layers)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.cfg.padded_vocab_size(self.tp.size)
+
+    def layer_kwargs(self) -> dict:
+        """Keyword arguments shared by every mpu parallel layer."""
+        return {"tp": self.tp, "seed": self.seed, "params_dtype": self.params_dtype,
+                "device": self.device}

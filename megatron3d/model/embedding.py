@@ -1,0 +1,88 @@
+"""Input and output embeddings, and the norms that sit next to them in the layer list.
+
+The class names matter: ``--pp-partition-method type:transformer|embedding`` weighs every
+layer whose class name matches, so both embeddings contain "Embedding" and the norms do not.
+With tied embeddings the output layer's weight carries the input word embedding's logical name
+and tied key: inside one stage it is the same parameter, across stages an identical copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from megatron3d.model.context import LayerContext
+from megatron3d.model.norm import Norm
+from megatron3d.mpu.layers import VocabParallelEmbedding
+from megatron3d.mpu.mappings import copy_to_tp_region
+from megatron3d.mpu.meta import ParamMeta, get_meta, set_meta
+from megatron3d.mpu.random import seeded_normal
+
+WORD_EMBEDDINGS = "embedding.word_embeddings"
+TIED_KEY = "word_embeddings"
+
+
+def _vocab_table(ctx: LayerContext, name: str, tied: bool) -> VocabParallelEmbedding:
+    table = VocabParallelEmbedding(ctx.padded_vocab_size, ctx.cfg.hidden_size, name=name,
+                                   init_std=ctx.init_std, logical_vocab_size=ctx.cfg.vocab_size,
+                                   **ctx.layer_kwargs())
+    if tied:
+        meta = get_meta(table.weight)
+        set_meta(table.weight, dataclasses.replace(meta, tied_key=TIED_KEY))
+    return table
+
+
+class InputEmbedding(nn.Module):
+    """Token ids [b, s] -> hidden [s, b, h]: word (+ learned position) embedding, dropout."""
+
+    def __init__(self, ctx: LayerContext) -> None:
+        super().__init__()
+        cfg = ctx.cfg
+        self.word_embeddings = _vocab_table(ctx, WORD_EMBEDDINGS, cfg.tie_embeddings)
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            name = "embedding.position_embeddings.weight"
+            table = seeded_normal((cfg.max_positions, cfg.hidden_size), ctx.init_std,
+                                  ctx.seed, name)
+            self.position_embeddings = set_meta(
+                nn.Parameter(table.to(device=ctx.device, dtype=ctx.params_dtype)),
+                ParamMeta(name=name))
+        self.dropout = cfg.hidden_dropout
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings[: tokens.shape[1]]
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        return F.dropout(x, self.dropout if self.training else 0.0, self.training)
+
+
+class InputNorm(Norm):
+    """BLOOM's LayerNorm right after the word embedding (``--embed-layernorm``)."""
+
+    def __init__(self, ctx: LayerContext) -> None:
+        super().__init__(ctx, "embedding.norm")
+
+
+class FinalNorm(Norm):
+    """The norm before the LM head."""
+
+    def __init__(self, ctx: LayerContext) -> None:
+        super().__init__(ctx, "final_norm")
+
+
+class OutputEmbedding(nn.Module):
+    """Hidden [s, b, h] -> vocab-parallel logits [s, b, v/tp] (the LM head)."""
+
+    def __init__(self, ctx: LayerContext) -> None:
+        super().__init__()
+        tied = ctx.cfg.tie_embeddings
+        table = _vocab_table(ctx, WORD_EMBEDDINGS if tied else "output_layer", tied)
+        self.weight = table.weight  # [v/tp, h]
+        self.tp = ctx.tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp_region(x, self.tp), self.weight)

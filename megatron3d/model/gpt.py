@@ -1,0 +1,44 @@
+"""The GPT family as one ordered list of layer specs, and its language-model loss.
+
+GPT-2, BLOOM and Llama-style models differ only in flags (positions, norm, MLP, biases,
+tying), so there is one definition. A pipeline stage builds a slice of ``gpt_layer_specs``;
+without pipelining the whole list is one stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron3d.model.context import LayerContext
+from megatron3d.model.embedding import FinalNorm, InputEmbedding, InputNorm, OutputEmbedding
+from megatron3d.model.transformer import TransformerLayer
+from megatron3d.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron3d.pipeline.spec import LayerSpec, Stage, build_stage
+
+
+def gpt_layer_specs(ctx: LayerContext) -> list[LayerSpec]:
+    """embedding, [embedding norm], blocks..., final norm, LM head."""
+    specs = [LayerSpec(InputEmbedding, {"ctx": ctx})]
+    if ctx.cfg.embed_layernorm:
+        specs.append(LayerSpec(InputNorm, {"ctx": ctx}))
+    specs += [LayerSpec(TransformerLayer, {"ctx": ctx, "layer_number": i})
+              for i in range(ctx.cfg.num_layers)]
+    specs += [LayerSpec(FinalNorm, {"ctx": ctx}), LayerSpec(OutputEmbedding, {"ctx": ctx})]
+    return specs
+
+
+def build_gpt(ctx: LayerContext) -> Stage:
+    """The whole model as a single stage: token ids [b, s] -> logits [s, b, v/tp]."""
+    specs = gpt_layer_specs(ctx)
+    return build_stage(specs, 0, len(specs))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+            ctx: LayerContext) -> torch.Tensor:
+    """Mean next-token cross entropy over unmasked tokens of one micro-batch (fp32 scalar).
+
+    logits: [s, b, v/tp]; labels and loss_mask: [b, s].
+    """
+    losses = vocab_parallel_cross_entropy(logits, labels.t(), ctx.tp, ctx.cfg.vocab_size)
+    mask = loss_mask.t().to(losses.dtype)  # [s, b]
+    return (losses * mask).sum() / mask.sum()

@@ -1,0 +1,32 @@
+"""LayerNorm and RMSNorm with parameters marked no-decay and TP-replicated."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron3d import kernels
+from megatron3d.model.context import LayerContext
+from megatron3d.mpu.meta import ParamMeta, set_meta
+
+
+def _param(value: torch.Tensor, name: str) -> nn.Parameter:
+    return set_meta(nn.Parameter(value), ParamMeta(name=name, no_weight_decay=True))
+
+
+class Norm(nn.Module):
+    """``--normalization layernorm|rmsnorm`` over the hidden dimension."""
+
+    def __init__(self, ctx: LayerContext, name: str) -> None:
+        super().__init__()
+        h, kind = ctx.cfg.hidden_size, ctx.cfg.normalization
+        opts = {"dtype": ctx.params_dtype, "device": ctx.device}
+        self.eps = ctx.cfg.layernorm_epsilon
+        self.rms = kind == "rmsnorm"
+        self.weight = _param(torch.ones(h, **opts), f"{name}.weight")
+        self.bias = None if self.rms else _param(torch.zeros(h, **opts), f"{name}.bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps)

@@ -1,0 +1,128 @@
+"""Every collective and point-to-point call goes through here.
+
+Why one module: the group is always explicit (an ``AxisGroup``), a size-1 axis returns without
+touching torch.distributed (so single-process code needs no process group), torch API drift is
+absorbed in one place, and traffic can be counted by attaching a ``CommCounter`` to an axis
+(``axis.counted(counter)``), which a benchmark uses to measure bytes per rank per step.
+
+Reductions and broadcast work in place on the given tensor and return it (like torch);
+callers that must not modify their input clone first.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from megatron3d.mpu.state import AxisGroup
+
+SUM = dist.ReduceOp.SUM
+MAX = dist.ReduceOp.MAX
+
+# torch >= 2.13 renamed the single-tensor collectives; older versions only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
+
+
+class CommCounter:
+    """Bytes and calls per collective kind, as issued by this rank.
+
+    Bytes are those of the tensor this rank contributes (its input), so an all-reduce of an
+    [s, b, h] activation counts s*b*h*element_size once per call. Size-1 axes count nothing:
+    they communicate nothing.
+    """
+
+    def __init__(self) -> None:
+        self.bytes: defaultdict[str, int] = defaultdict(int)
+        self.calls: defaultdict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        self.calls[kind] += 1
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def __repr__(self) -> str:
+        return f"CommCounter(bytes={dict(self.bytes)}, calls={dict(self.calls)})"
+
+
+def _check(axis: AxisGroup, kind: str, tensor: torch.Tensor) -> None:
+    if axis.group is None:
+        raise ValueError(f"{kind} on an axis of size {axis.size} without a process group "
+                         "(this rank is not a member, or the state was built without dist)")
+    if axis.counter is not None:
+        axis.counter.add(kind, tensor)
+
+
+def all_reduce(t: torch.Tensor, axis: AxisGroup, op: dist.ReduceOp = SUM) -> torch.Tensor:
+    """Reduce ``t`` across the axis in place; returns ``t``."""
+    if axis.size == 1:
+        return t
+    _check(axis, "all_reduce", t)
+    dist.all_reduce(t, op=op, group=axis.group)
+    return t
+
+
+def all_gather(t: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim`` in axis order (a new tensor)."""
+    if axis.size == 1:
+        return t
+    _check(axis, "all_gather", t)
+    dim = dim % t.dim()
+    src = t.movedim(dim, 0).contiguous()  # [d, ...rest]
+    out = torch.empty((axis.size * src.shape[0], *src.shape[1:]), dtype=t.dtype,
+                      device=t.device)  # [size * d, ...rest]
+    _all_gather_single(out, src, group=axis.group)
+    if dim == 0:
+        return out
+    # Gathered along a moved-to-front dim: put (size, d) back at dim, then merge them.
+    parts = out.view(axis.size, *src.shape)  # [size, d, ...rest]
+    merged = parts.movedim((0, 1), (dim, dim + 1))  # [..., size, d, ...]
+    return merged.reshape(*t.shape[:dim], axis.size * t.shape[dim], *t.shape[dim + 1:])
+
+
+def reduce_scatter(t: torch.Tensor, axis: AxisGroup, dim: int,
+                   op: dist.ReduceOp = SUM) -> torch.Tensor:
+    """Sum ``t`` across the axis and keep this rank's chunk along ``dim`` (a new tensor)."""
+    if axis.size == 1:
+        return t
+    _check(axis, "reduce_scatter", t)
+    dim = dim % t.dim()
+    if t.shape[dim] % axis.size != 0:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} does not divide "
+                         f"by axis size {axis.size}")
+    src = t.movedim(dim, 0).contiguous()  # [d, ...rest]
+    out = torch.empty((src.shape[0] // axis.size, *src.shape[1:]), dtype=t.dtype,
+                      device=t.device)  # [d/size, ...rest]
+    _reduce_scatter_single(out, src, op=op, group=axis.group)
+    return out.movedim(0, dim)
+
+
+def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
+    """Copy the ``src_index``-th member's ``t`` to every member, in place; returns ``t``."""
+    if axis.size == 1:
+        return t
+    _check(axis, "broadcast", t)
+    dist.broadcast(t, src=axis.ranks[src_index], group=axis.group)
+    return t
+
+
+def send(t: torch.Tensor, axis: AxisGroup, dst_index: int) -> None:
+    """Blocking send to the ``dst_index``-th member of the axis (pipeline neighbours)."""
+    _check(axis, "send", t)
+    dist.send(t.contiguous(), dst=axis.ranks[dst_index], group=axis.group)
+
+
+def recv(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
+    """Blocking receive into ``t`` from the ``src_index``-th member; returns ``t``."""
+    _check(axis, "recv", t)
+    dist.recv(t, src=axis.ranks[src_index], group=axis.group)
+    return t

@@ -1,0 +1,172 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Every weight is drawn in full from ``seeded_normal(full_shape, init_std, seed, name.weight)``
+and then sliced for this TP rank, so a TP=k model starts identical to TP=1. Biases start at
+zero. Every parameter carries ``ParamMeta`` saying how it is split, so the optimizer, grad
+norm and checkpoints never inspect module classes. ``device=None`` leaves parameters on the
+CPU, where they are drawn; pass ``megatron3d.device.device()`` to build them in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional alias
+from torch import nn
+
+from megatron3d.errors import ConfigError
+from megatron3d.mpu.mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+from megatron3d.mpu.meta import ParamMeta, set_meta
+from megatron3d.mpu.random import seeded_normal
+from megatron3d.mpu.state import AxisGroup
+
+
+def tp_shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` along ``dim``, ``stride`` sub-matrices split separately.
+
+    With stride 2 a [gate; up] weight gives rank r the rows [gate_r; up_r]. Checkpoint
+    resharding uses the same function, so the layout is defined once.
+    """
+    if full.shape[dim] % (size * stride) != 0:
+        raise ConfigError(f"dimension {dim} of size {full.shape[dim]} does not divide by "
+                          f"tp size x stride = {size} x {stride}; choose sizes divisible by "
+                          f"{size * stride}")
+    subs = full.chunk(stride, dim=dim)
+    return torch.cat([s.chunk(size, dim=dim)[rank] for s in subs], dim=dim).contiguous()
+
+
+def _param(data: torch.Tensor, meta: ParamMeta, dtype: torch.dtype,
+           device: torch.device | str | None) -> nn.Parameter:
+    return set_meta(nn.Parameter(data.to(device=device, dtype=dtype)), meta)
+
+
+def _divide(numerator: int, tp: AxisGroup, what: str) -> int:
+    if numerator % tp.size != 0:
+        raise ConfigError(f"{what} {numerator} does not divide by tensor-parallel size "
+                          f"{tp.size}; choose a multiple of {tp.size} or change "
+                          "--tensor-model-parallel-size")
+    return numerator // tp.size
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across TP ranks (weight [out/tp, in]).
+
+    The input is replicated (its gradient is all-reduced on the way back); the output stays
+    split unless ``gather_output``. ``stride`` stacked sub-matrices are split separately and,
+    when gathered, put back in logical order.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, name: str,
+                 seed: int, init_std: float, bias: bool = True, gather_output: bool = False,
+                 stride: int = 1, params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp, self.gather_output, self.stride = tp, gather_output, stride
+        self.in_features, self.out_features = in_features, out_features
+        out_local = _divide(out_features, tp, f"{name}: output features")
+        full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight")
+        self.weight = _param(tp_shard(full, 0, tp.rank, tp.size, stride),  # [out/tp, in]
+                             ParamMeta(name=f"{name}.weight", tp_split_dim=0, tp_stride=stride),
+                             params_dtype, device)
+        self.bias = None
+        if bias:
+            self.bias = _param(torch.zeros(out_local),  # [out/tp]
+                               ParamMeta(name=f"{name}.bias", no_weight_decay=True,
+                                         tp_split_dim=0, tp_stride=stride),
+                               params_dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp_region(x, self.tp)
+        y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
+        if not self.gather_output:
+            return y
+        y = gather_from_tp_region(y, self.tp)  # [..., out], rank-major
+        if self.stride == 1 or self.tp.size == 1:
+            return y
+        # Rank-major [r0: s0 s1 | r1: s0 s1] -> logical [s0: r0 r1 | s1: r0 r1].
+        chunk = self.out_features // (self.tp.size * self.stride)
+        y = y.unflatten(-1, (self.tp.size, self.stride, chunk)).transpose(-3, -2)
+        return y.flatten(-3)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, "
+                f"stride={self.stride}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across TP ranks (weight [out, in/tp]).
+
+    Partial products are all-reduced; the replicated bias is added once, after the reduce.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, name: str,
+                 seed: int, init_std: float, bias: bool = True, input_is_parallel: bool = True,
+                 params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp, self.input_is_parallel = tp, input_is_parallel
+        self.in_features, self.out_features = in_features, out_features
+        _divide(in_features, tp, f"{name}: input features")
+        full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight")
+        self.weight = _param(tp_shard(full, 1, tp.rank, tp.size),  # [out, in/tp]
+                             ParamMeta(name=f"{name}.weight", tp_split_dim=1),
+                             params_dtype, device)
+        self.bias = None
+        if bias:
+            self.bias = _param(torch.zeros(out_features),  # [out]
+                               ParamMeta(name=f"{name}.bias", no_weight_decay=True),
+                               params_dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp)  # [..., in/tp]
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)  # [..., out]
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with vocabulary rows split across TP ranks (weight [v_pad/tp, h]).
+
+    Each rank looks up the ids it owns, zeroes the rest, and the partial rows are all-reduced.
+    Padding rows (>= ``logical_vocab_size``) start at zero and are never looked up by valid ids.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: AxisGroup, name: str,
+                 seed: int, init_std: float, logical_vocab_size: int,
+                 params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not 0 < logical_vocab_size <= num_embeddings:
+            raise ConfigError(f"{name}: logical vocab size {logical_vocab_size} must be in "
+                              f"1..{num_embeddings} (the padded size); pad the vocabulary up")
+        self.tp, self.logical_vocab_size = tp, logical_vocab_size
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        rows = _divide(num_embeddings, tp, f"{name}: padded vocabulary size")
+        self.vocab_start = tp.rank * rows
+        self.vocab_end = self.vocab_start + rows
+        full = seeded_normal((num_embeddings, embedding_dim), init_std, seed, f"{name}.weight")
+        full[logical_vocab_size:] = 0.0
+        self.weight = _param(tp_shard(full, 0, tp.rank, tp.size),  # [v_pad/tp, h]
+                             ParamMeta(name=f"{name}.weight", tp_split_dim=0),
+                             params_dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [b, s] (global token ids) -> embeddings [b, s, h]."""
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # [b, s]
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight)  # [b, s, h], partial
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (logical {self.logical_vocab_size}), "
+                f"{self.embedding_dim}, tp={self.tp.size}")

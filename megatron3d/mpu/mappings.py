@@ -1,0 +1,92 @@
+"""Autograd functions at the boundaries of tensor-parallel regions.
+
+Each forward collective has its conjugate in backward, which is what makes a TP layer's
+gradients equal the single-process ones:
+
+    copy_to_tp_region      fwd identity          bwd all-reduce
+    reduce_from_tp_region  fwd all-reduce        bwd identity
+    scatter_to_tp_region   fwd split last dim    bwd all-gather last dim
+    gather_from_tp_region  fwd all-gather last   bwd split last dim
+
+On a size-1 axis every function is the identity and adds no autograd node. Reductions run on
+clones: autograd inputs and incoming gradients may be shared, so they are never written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron3d.mpu import comm
+from megatron3d.mpu.state import AxisGroup
+
+
+def _split_last(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    """This rank's contiguous chunk of the last dimension."""
+    if x.shape[-1] % tp.size != 0:
+        raise ValueError(f"last dim {x.shape[-1]} does not divide by tp size {tp.size}")
+    return x.chunk(tp.size, dim=-1)[tp.rank].contiguous()  # [..., d/tp]
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return comm.all_reduce(grad.clone(), ctx.tp), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+        return comm.all_reduce(x.clone(), tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return _split_last(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return comm.all_gather(grad.contiguous(), ctx.tp, dim=-1), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return comm.all_gather(x.contiguous(), tp, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, ctx.tp), None
+
+
+def copy_to_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+
+
+def scatter_to_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim: split forward, all-gather backward."""
+    return x if tp.size == 1 else _ScatterToTP.apply(x, tp)
+
+
+def gather_from_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    """Concatenate every rank's last-dim chunk: all-gather forward, split backward."""
+    return x if tp.size == 1 else _GatherFromTP.apply(x, tp)

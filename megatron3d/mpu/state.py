@@ -1,0 +1,125 @@
+"""The parallel state: one explicit object holding this rank's process groups.
+
+Built once after ``init_process_group`` and passed to whoever needs it; callees take the
+narrowest ``AxisGroup`` they need (a TP layer gets ``state.tp``), so nothing reads
+module-level process-group globals. ``single()`` variants let one process run the same code
+without torch.distributed (collectives on size-1 axes are no-ops in ``comm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from megatron3d.mpu.topology import RankGroups, Topology
+
+if TYPE_CHECKING:
+    from megatron3d.mpu.comm import CommCounter
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """This rank's view of one parallel axis.
+
+    group: the process group, or None for a single-process axis (and for a rank outside an
+        optional group such as the embedding group, where size is 0 and rank is -1).
+    rank: index of this process inside ``ranks``.
+    size: number of members.
+    ranks: global ranks of the members, in axis order.
+    counter: when set, ``comm`` adds the bytes of every collective on this axis to it.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    ranks: tuple[int, ...]
+    counter: CommCounter | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def single(cls, world_rank: int = 0) -> AxisGroup:
+        """A size-1 axis containing only this process; needs no torch.distributed."""
+        return cls(group=None, rank=0, size=1, ranks=(world_rank,))
+
+    @classmethod
+    def absent(cls) -> AxisGroup:
+        """The view of a rank that is not a member of the group (size 0)."""
+        return cls(group=None, rank=-1, size=0, ranks=())
+
+    @property
+    def is_member(self) -> bool:
+        return self.size > 0
+
+    def counted(self, counter: CommCounter | None) -> AxisGroup:
+        """The same axis, with collectives counted into ``counter`` (None stops counting)."""
+        return dataclasses.replace(self, counter=counter)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """All groups of this rank: tp, pp, dp, model-parallel (tp x pp) and embedding."""
+
+    tp: AxisGroup
+    pp: AxisGroup
+    dp: AxisGroup
+    mp: AxisGroup
+    embedding: AxisGroup
+    world_rank: int
+    world_size: int
+    topology: Topology
+
+    @classmethod
+    def single(cls) -> ParallelState:
+        """One process, no torch.distributed: every axis has size 1."""
+        one = AxisGroup.single()
+        return cls(tp=one, pp=one, dp=one, mp=one, embedding=one, world_rank=0, world_size=1,
+                   topology=Topology(world_size=1, tp=1, pp=1))
+
+    @classmethod
+    def build(cls, tp_size: int, pp_size: int) -> ParallelState:
+        """Create every group of the layout; a collective call: all ranks must make it.
+
+        ``dist.new_group`` must be called by every rank for every group in the same order,
+        including groups the rank is not in, so the loops below never depend on the rank.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelState.build needs torch.distributed initialised; "
+                               "use ParallelState.single() for one process")
+        world_rank, world_size = dist.get_rank(), dist.get_world_size()
+        topo = Topology(world_size=world_size, tp=tp_size, pp=pp_size)
+        axes = {name: _create_groups(groups, world_rank) for name, groups in (
+            ("tp", topo.tp_groups()), ("pp", topo.pp_groups()), ("dp", topo.dp_groups()),
+            ("mp", topo.model_parallel_groups()), ("embedding", topo.embedding_groups()))}
+        return cls(**axes, world_rank=world_rank, world_size=world_size, topology=topo)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.embedding.is_member
+
+    def counted(self, counter: CommCounter | None) -> ParallelState:
+        """The same state with every axis counting into ``counter``."""
+        return dataclasses.replace(
+            self, tp=self.tp.counted(counter), pp=self.pp.counted(counter),
+            dp=self.dp.counted(counter), mp=self.mp.counted(counter),
+            embedding=self.embedding.counted(counter))
+
+
+def _create_groups(groups: RankGroups, world_rank: int) -> AxisGroup:
+    """Call new_group for every member list; return this rank's view of its own group."""
+    mine = AxisGroup.absent()
+    for ranks in groups:
+        group = dist.new_group(list(ranks))
+        if world_rank in ranks:
+            mine = AxisGroup(group=group, rank=ranks.index(world_rank), size=len(ranks),
+                             ranks=ranks)
+    return mine

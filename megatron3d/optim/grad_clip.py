@@ -1,0 +1,38 @@
+"""Global gradient norm, zero count and clipping, all kept on the device.
+
+Each rank measures the gradients it counts (see ``FlatBuffers``); the squared norm and the
+zero count are summed over the given axes (model-parallel ranks, ZeRO shards), so every rank
+gets the norm of the whole logical model. Clipping multiplies by min(1, max/norm) on the
+device, so no host sync is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron3d.mpu import comm
+from megatron3d.mpu.state import AxisGroup
+
+
+@dataclass(frozen=True)
+class GradStats:
+    norm: torch.Tensor  # fp32 scalar
+    num_zeros: torch.Tensor  # fp32 scalar
+
+
+def grad_stats(counted: torch.Tensor, axes: list[AxisGroup]) -> GradStats:
+    """Norm and zero count of the gradients counted on this rank, summed over ``axes``."""
+    sq = torch.linalg.vector_norm(counted, dtype=torch.float32).square()
+    zeros = (counted.numel() - torch.count_nonzero(counted)).to(torch.float32)
+    both = torch.stack([sq, zeros])
+    for axis in axes:
+        both = comm.all_reduce(both, axis)
+    return GradStats(norm=both[0].sqrt(), num_zeros=both[1])
+
+
+def clip_(grads: torch.Tensor, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place so their norm is at most ``max_norm`` (0 disables)."""
+    if max_norm > 0.0:
+        grads.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))

@@ -1,0 +1,135 @@
+"""The training loop: steps, the Megatron log line, TensorBoard and periodic evaluation.
+
+Everything per step stays on the device; the loop syncs with the device only at log and
+evaluation boundaries. The data position, batch size and learning rate are pure functions of
+``consumed_samples``, so a run is fully described by its ``Progress``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megatron3d import device as devices
+from megatron3d.config import TrainConfig
+from megatron3d.data.sampler import MicroBatch
+from megatron3d.log import IterationStats, TensorBoardWriter, format_iteration_line, get_logger
+from megatron3d.optim.lr_schedule import LRSchedule
+from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+from megatron3d.training import metrics as m
+from megatron3d.training.batch_schedule import BatchSchedule
+from megatron3d.training.evaluate import evaluate, format_eval_line
+from megatron3d.training.flops import FlopsCount, flops_per_iteration, throughput
+from megatron3d.training.step import LossFn, StepResult, train_step
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Progress:
+    """Where the run is; everything else (batch size, LR, data) follows from it."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+
+
+@dataclass
+class _Interval:
+    """Host-side bookkeeping of the current log interval."""
+
+    start_time: float = field(default_factory=time.perf_counter)
+    samples: int = 0
+    flops_hardware: int = 0
+    flops_model: int = 0
+
+
+@dataclass
+class Trainer:
+    """Runs ``total_iters`` steps; built by ``training.build``."""
+
+    cfg: TrainConfig
+    model: nn.Module
+    optimizer: MixedPrecisionOptimizer
+    loss_fn: LossFn
+    train_batches: Callable[[int, int], list[MicroBatch]]  # (consumed, gbs) -> micro-batches
+    valid_batches: Callable[[int], list[MicroBatch]]  # eval iteration -> micro-batches
+    batch_schedule: BatchSchedule
+    lr_schedule: LRSchedule
+    total_iters: int
+    world_size: int
+    padded_vocab_size: int
+    device: torch.device
+    writer: TensorBoardWriter
+    progress: Progress = field(default_factory=Progress)
+    on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
+
+    def run(self) -> Progress:
+        self.model.train()
+        metrics = m.IntervalMetrics(self.device)
+        interval = _Interval()
+        while self.progress.iteration < self.total_iters:
+            result, lr, gbs = self._step()
+            metrics.add_step(result.loss, result.stats.grad_norm, result.stats.num_zeros,
+                             result.stats.skipped, result.stats.loss_scale)
+            self._account(interval, gbs)
+            it = self.progress.iteration
+            if self.on_step is not None:
+                self.on_step(it, result)
+            if it % self.cfg.logging.log_interval == 0:
+                self._log(metrics.collect(), interval, lr, gbs)
+                interval = _Interval()
+            if it % self.cfg.training.eval_interval == 0 and self.cfg.training.eval_iters > 0:
+                self._evaluate()
+        self.writer.flush()
+        return self.progress
+
+    def _step(self) -> tuple[StepResult, float, int]:
+        consumed = self.progress.consumed_samples
+        gbs = self.batch_schedule.global_batch_size_at(consumed)
+        lr = self.lr_schedule.lr_at(consumed)
+        result = train_step(self.model, self.optimizer, self.train_batches(consumed, gbs),
+                            self.loss_fn, lr)
+        self.progress.iteration += 1
+        self.progress.consumed_samples += gbs
+        self.progress.consumed_tokens += gbs * self.cfg.model.seq_length
+        return result, lr, gbs
+
+    def _account(self, interval: _Interval, gbs: int) -> None:
+        flops = flops_per_iteration(self.cfg.model, gbs, self.padded_vocab_size)
+        interval.samples += gbs
+        interval.flops_hardware += flops.hardware
+        interval.flops_model += flops.model
+
+    def _log(self, values: dict[str, float], interval: _Interval, lr: float, gbs: int) -> None:
+        devices.synchronize(self.device)
+        steps = int(values[m.STEPS])
+        seconds = time.perf_counter() - interval.start_time
+        per_iter = seconds / steps
+        rate = throughput(FlopsCount(interval.flops_hardware // steps,
+                                     interval.flops_model // steps),
+                          per_iter, self.world_size, self._peak_tflops())
+        stats = IterationStats(
+            iteration=self.progress.iteration, train_iters=self.total_iters,
+            consumed_samples=self.progress.consumed_samples,
+            consumed_tokens=self.progress.consumed_tokens, elapsed_s=per_iter,
+            learning_rate=lr, global_batch_size=gbs, lm_loss=values.get(m.LM_LOSS),
+            loss_scale=values.get(m.LOSS_SCALE, 1.0), grad_norm=values.get(m.GRAD_NORM),
+            num_zeros=values.get(m.NUM_ZEROS), skipped_iterations=int(values[m.SKIPPED]),
+            nan_iterations=int(values[m.NAN]), samples_per_second=interval.samples / seconds,
+            tflops=rate.tflops, model_tflops=rate.model_tflops, mfu_percent=rate.mfu_percent)
+        logger.info(format_iteration_line(stats))
+        self.writer.write_iteration(stats, self.progress.iteration)
+
+    def _peak_tflops(self) -> float | None:
+        return self.cfg.logging.peak_tflops or devices.peak_tflops(self.device)
+
+    def _evaluate(self) -> None:
+        loss = evaluate(self.model, self.valid_batches, self.cfg.training.eval_iters,
+                        self.loss_fn)
+        logger.info(format_eval_line(self.progress.iteration, loss))
+        self.writer.write_eval(loss, self.progress.iteration)

@@ -1,0 +1,335 @@
+"""Every cross-field check of a ``TrainConfig``, run before any process group exists.
+
+A bad run should fail in the first second with one line saying what is wrong, the value and
+the fix, not after minutes of start-up or, worse, train something other than what was asked.
+Each problem raises ``ConfigError("<what is wrong> (<flag>=<value>): <how to fix>")``.
+Checks run in order (required values, ranges, combinations, layout, batch), so a later check
+may rely on an earlier one: e.g. ``hidden % heads`` runs after ``heads >= 1``. Settings that
+are valid but not built yet are rejected last, in ``_check_implemented``, so a TP layout that
+would be wrong anyway reports the real problem first.
+
+``--global-batch-size`` may be left unset: it then means micro batch size x data-parallel
+size (Megatron's default). The data-parallel size depends on the world size, which is
+unknown while parsing, so the config keeps ``None`` and ``resolved_global_batch_size``
+gives the value once the world size is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+from megatron3d.config import SECTIONS, TrainConfig
+from megatron3d.errors import ConfigError
+from megatron3d.training.batch_schedule import BatchSchedule
+
+_REQUIRED = (
+    "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
+)
+_AT_LEAST_ONE = (
+    "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+    "global_batch_size", "vocab_size", "ffn_hidden_size", "max_position_embeddings",
+    "make_vocab_size_divisible_by", "train_iters", "train_samples",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "lr_decay_iters",
+    "lr_decay_samples", "loss_scale_window", "hysteresis", "log_interval", "eval_interval",
+)
+_POSITIVE = (
+    "lr", "adam_eps", "layernorm_epsilon", "rotary_base", "init_method_std", "loss_scale",
+    "initial_loss_scale", "min_loss_scale", "peak_tflops",
+)
+_NON_NEGATIVE = (
+    "min_lr", "weight_decay", "clip_grad", "lr_warmup_iters", "lr_warmup_samples", "eval_iters",
+    "seed",
+)
+_PROBABILITY = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")  # [0, 1)
+_ZERO_STAGES = (0, 1, 3)
+_PARTITION_METHODS = ("uniform", "parameters")
+_TYPE_PREFIX = "type:"
+
+
+def flag(name: str) -> str:
+    """Field name -> the flag users type: ``num_layers`` -> ``--num-layers``."""
+    return "--" + name.replace("_", "-")
+
+
+def _error(what: str, values: dict[str, Any], fix: str) -> ConfigError:
+    """The one-line message every check raises: what, the offending values, the fix."""
+    shown = ", ".join(f"{flag(name)}={value}" for name, value in values.items())
+    return ConfigError(f"{what} ({shown}): {fix}")
+
+
+def _flat(cfg: TrainConfig) -> dict[str, Any]:
+    """Field name -> value over every section (field names are unique across sections)."""
+    return {
+        field.name: getattr(getattr(cfg, section), field.name)
+        for section in SECTIONS
+        for field in dataclasses.fields(SECTIONS[section])
+    }
+
+
+def _help(name: str) -> str:
+    for cls in SECTIONS.values():
+        for field in dataclasses.fields(cls):
+            if field.name == name:
+                return field.metadata["help"].rstrip(".")
+    raise KeyError(name)
+
+
+def resolved_global_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """``--global-batch-size``, or micro batch size x data-parallel size when it is unset."""
+    if cfg.training.global_batch_size is not None:
+        return cfg.training.global_batch_size
+    return cfg.training.micro_batch_size * cfg.parallel.data_parallel_size(world_size)
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ``ConfigError`` for the first problem in ``cfg`` run on ``world_size`` ranks."""
+    values = _flat(cfg)
+    _check_required(values)
+    _check_data(values)
+    _check_ranges(values)
+    _check_run_length(values)
+    _check_model(values)
+    _check_precision(values)
+    _check_optimizer(values)
+    _check_warmup(values)
+    _check_layout(cfg, world_size)
+    _check_batch(cfg, world_size)
+    _check_implemented(cfg, world_size)
+
+
+def _check_required(values: dict[str, Any]) -> None:
+    for name in _REQUIRED:
+        if values[name] is None:
+            raise _error(
+                "required value missing", {name: None},
+                f"pass {flag(name)} ({_help(name).lower()})",
+            )
+    if (values["train_iters"] is None) == (values["train_samples"] is None):
+        raise _error(
+            "give exactly one run length",
+            {"train_iters": values["train_iters"], "train_samples": values["train_samples"]},
+            "pass either --train-iters (optimizer steps) or --train-samples, not both",
+        )
+
+
+def _check_data(values: dict[str, Any]) -> None:
+    if not values["mock_data"]:
+        raise _error(
+            "no training data source", {"mock_data": False},
+            "pass --mock-data; real datasets (--data-path) are not supported yet",
+        )
+    if values["vocab_size"] is None:
+        raise _error(
+            "--mock-data needs a vocabulary size", {"vocab_size": None},
+            "pass --vocab-size, e.g. --vocab-size 50257",
+        )
+
+
+def _check_each(
+    values: dict[str, Any], names: tuple[str, ...], ok: Callable[[Any], bool], rule: str, fix: str
+) -> None:
+    """Values that are set must satisfy ``ok``; ``rule`` says what that means to a user."""
+    for name in names:
+        value = values[name]
+        if value is not None and not ok(value):
+            raise _error(f"{flag(name)} must be {rule}", {name: value}, fix)
+
+
+def _check_ranges(values: dict[str, Any]) -> None:
+    # Failing values are those where ``ok`` is False, so NaN (every comparison False) fails.
+    _check_each(values, _AT_LEAST_ONE, lambda v: v >= 1, "at least 1", "use a whole number >= 1")
+    _check_each(values, _POSITIVE, lambda v: v > 0, "greater than 0", "use a number > 0")
+    _check_each(values, _NON_NEGATIVE, lambda v: v >= 0, "0 or more", "use a number >= 0")
+    _check_each(
+        values, _PROBABILITY, lambda v: 0 <= v < 1, "in [0, 1)", "use 0 <= value < 1"
+    )
+    _check_each(
+        values, ("lr_warmup_fraction",), lambda v: 0 <= v <= 1, "in [0, 1]", "use 0 <= value <= 1"
+    )
+
+
+def _check_run_length(values: dict[str, Any]) -> None:
+    """Megatron keeps iteration-based and sample-based LR flags apart; so do we. The batch
+    rampup works with either (it is a function of consumed samples)."""
+    if values["train_samples"] is not None:
+        mixed = {"lr_decay_iters": values["lr_decay_iters"] is not None,
+                 "lr_warmup_iters": values["lr_warmup_iters"] > 0}
+        other, kind = "train_samples", "sample"
+    else:
+        mixed = {"lr_decay_samples": values["lr_decay_samples"] is not None,
+                 "lr_warmup_samples": values["lr_warmup_samples"] > 0}
+        other, kind = "train_iters", "iteration"
+    for name, given in mixed.items():
+        if given:
+            raise _error(
+                f"{flag(name)} cannot be combined with {kind}-based training",
+                {name: values[name], other: values[other]},
+                f"use only {kind}-based flags with {flag(other)}",
+            )
+
+
+def _check_model(values: dict[str, Any]) -> None:
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    if hidden % heads:
+        raise _error(
+            "hidden size is not divisible by the attention heads",
+            {"hidden_size": hidden, "num_attention_heads": heads},
+            "pick a head count that divides --hidden-size",
+        )
+    position = values["position_embedding_type"]
+    if position == "rope" and (hidden // heads) % 2:
+        raise _error(
+            f"rotary embeddings need an even head dimension, got {hidden // heads}",
+            {"hidden_size": hidden, "num_attention_heads": heads},
+            "change --hidden-size or --num-attention-heads so hidden/heads is even",
+        )
+    seq = values["seq_length"]
+    max_positions = values["max_position_embeddings"] or seq  # unset means --seq-length
+    if position == "learned_absolute" and max_positions < seq:
+        raise _error(
+            "the learned position table is shorter than a sample",
+            {"max_position_embeddings": max_positions, "seq_length": seq},
+            "raise --max-position-embeddings to at least --seq-length",
+        )
+
+
+def _check_precision(values: dict[str, Any]) -> None:
+    if values["bf16"] and values["fp16"]:
+        raise _error(
+            "bf16 and fp16 are mutually exclusive", {"bf16": True, "fp16": True},
+            "pass at most one of --bf16 and --fp16",
+        )
+    if values["loss_scale"] is not None and not values["fp16"]:
+        raise _error(
+            "a loss scale only applies to fp16 training",
+            {"loss_scale": values["loss_scale"], "fp16": False},
+            "drop --loss-scale or add --fp16",
+        )
+    if values["min_loss_scale"] > values["initial_loss_scale"]:
+        raise _error(
+            "the minimum loss scale exceeds the initial one",
+            {"min_loss_scale": values["min_loss_scale"],
+             "initial_loss_scale": values["initial_loss_scale"]},
+            "lower --min-loss-scale or raise --initial-loss-scale",
+        )
+
+
+def _check_optimizer(values: dict[str, Any]) -> None:
+    if values["min_lr"] > values["lr"]:
+        raise _error(
+            "the minimum learning rate exceeds the peak",
+            {"min_lr": values["min_lr"], "lr": values["lr"]},
+            "lower --min-lr to at most --lr",
+        )
+
+
+def _check_warmup(values: dict[str, Any]) -> None:
+    given = {
+        name: values[name]
+        for name in ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction")
+        if values[name]  # 0 and None mean "not given"
+    }
+    if len(given) > 1:
+        raise _error("more than one warmup length given", given, "keep only one of them")
+    if values["train_iters"] is not None:
+        warmup, decay_name = "lr_warmup_iters", "lr_decay_iters"
+        decay_name = decay_name if values[decay_name] is not None else "train_iters"
+    else:
+        warmup, decay_name = "lr_warmup_samples", "lr_decay_samples"
+        decay_name = decay_name if values[decay_name] is not None else "train_samples"
+    if values[warmup] > values[decay_name]:
+        raise _error(
+            "warmup is longer than the learning-rate decay",
+            {warmup: values[warmup], decay_name: values[decay_name]},
+            f"shorten {flag(warmup)} to at most {flag(decay_name)}",
+        )
+
+
+def _check_layout(cfg: TrainConfig, world_size: int) -> None:
+    parallel = cfg.parallel
+    tp, mp = parallel.tensor_model_parallel_size, parallel.model_parallel_size
+    if world_size < 1 or world_size % mp:
+        raise _error(
+            f"world size {world_size} is not a positive multiple of TP x PP = {mp}",
+            {"tensor_model_parallel_size": tp,
+             "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size},
+            "launch a multiple of TP x PP processes or change the parallel sizes",
+        )
+    for name, size in (("num_attention_heads", cfg.model.num_attention_heads),
+                       ("ffn_hidden_size", cfg.model.ffn_size)):
+        if size % tp:
+            raise _error(
+                f"{flag(name)} {size} is not divisible by the tensor-parallel size",
+                {name: size, "tensor_model_parallel_size": tp},
+                f"pick a --tensor-model-parallel-size that divides {size}",
+            )
+    if parallel.zero_stage not in _ZERO_STAGES:
+        raise _error(
+            "unknown ZeRO stage", {"zero_stage": parallel.zero_stage},
+            "use --zero-stage 0, 1 or 3",
+        )
+    _check_partition_method(parallel.pp_partition_method)
+
+
+def _check_partition_method(method: str) -> None:
+    fix = "use uniform, parameters or type:REGEX (a regex matching the layer class names)"
+    if method in _PARTITION_METHODS:
+        return
+    if not method.startswith(_TYPE_PREFIX):
+        raise _error("unknown pipeline partition method", {"pp_partition_method": method}, fix)
+    pattern = method[len(_TYPE_PREFIX):]
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise _error(
+            f"invalid regex in the partition method ({err})",
+            {"pp_partition_method": method}, fix,
+        ) from None
+    if not pattern:
+        raise _error("empty regex in the partition method", {"pp_partition_method": method}, fix)
+
+
+def _check_batch(cfg: TrainConfig, world_size: int) -> None:
+    training = cfg.training
+    dp = cfg.parallel.data_parallel_size(world_size)
+    unit = training.micro_batch_size * dp
+    gbs = resolved_global_batch_size(cfg, world_size)
+    if gbs % unit:
+        raise _error(
+            f"global batch size is not a multiple of micro batch size x DP = "
+            f"{training.micro_batch_size} x {dp} = {unit}",
+            {"global_batch_size": gbs, "micro_batch_size": training.micro_batch_size},
+            f"use a multiple of {unit}, e.g. {_nearest_multiples(gbs, unit)}",
+        )
+    if training.rampup_batch_size is not None:
+        BatchSchedule(gbs, training.micro_batch_size, dp, training.rampup_batch_size).validate()
+
+
+def _nearest_multiples(value: int, unit: int) -> str:
+    below = value // unit * unit
+    return f"{below} or {below + unit}" if below else str(unit)
+
+
+def _check_implemented(cfg: TrainConfig, world_size: int) -> None:
+    """Valid settings this version cannot run yet; delete each line when the feature lands."""
+    parallel = cfg.parallel
+    dp = parallel.data_parallel_size(world_size)
+    if dp > 1:  # gradients are not yet reduced across data-parallel ranks
+        raise ConfigError(f"data parallelism is not supported yet (world size {world_size} "
+                          f"gives data-parallel size {dp}): launch a single process for now")
+    # field name -> (feature, the only value supported for now)
+    not_yet = {
+        "tensor_model_parallel_size": ("tensor parallelism", 1),
+        "pipeline_model_parallel_size": ("pipeline parallelism", 1),
+        "zero_stage": ("ZeRO", 0),
+    }
+    for name, (feature, supported) in not_yet.items():
+        value = getattr(parallel, name)
+        if value != supported:
+            raise _error(
+                f"{feature} is not supported yet", {name: value},
+                f"run with {flag(name)} {supported} for now",
+            )

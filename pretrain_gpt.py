@@ -1,0 +1,49 @@
+"""Pre-train a GPT: parse -> validate -> join the process group -> build -> train.
+
+Launch with ``python pretrain_gpt.py ...`` (one process) or ``torchrun ... pretrain_gpt.py``;
+flags follow Megatron-DeepSpeed (``--help`` lists them). Bad input exits with code 2 and one
+line saying what to fix, before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from megatron3d import device as devices
+from megatron3d.arguments import format_config, parse_args
+from megatron3d.errors import Megatron3dError
+from megatron3d.log import get_logger, setup_logging
+from megatron3d.mpu.state import ParallelState
+from megatron3d.training.build import build_trainer
+from megatron3d.validation import validate
+
+logger = get_logger("pretrain_gpt")
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = devices.launch_env()
+    try:
+        cfg = parse_args(argv)
+        validate(cfg, env.world_size)
+    except Megatron3dError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    dev = devices.set_device(env.local_rank)
+    devices.init_process_group(env)
+    try:
+        state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
+                                    cfg.parallel.pipeline_model_parallel_size)
+        setup_logging(env.rank, log_rank=env.world_size - 1)
+        logger.info(format_config(cfg))
+        logger.info(state.topology.table())
+        logger.info("device: %s", devices.describe(dev))
+        build_trainer(cfg, state, dev).run()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The package's layering (DESIGN.md §1), checked by parsing every module's imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron3d"
+
+# What each part of the package may import from megatron3d (besides itself).
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "config": set(),
+    "device": set(),
+    "kernels": set(),
+    "log": {"device", "errors"},
+    "mpu": {"device", "errors"},
+    "pipeline": {"mpu", "device", "errors"},
+    "optim": {"mpu", "config", "kernels", "device", "errors"},
+    "zero": {"mpu", "optim", "config", "device", "errors"},
+    "model": {"mpu", "pipeline", "config", "kernels", "device", "errors"},
+    "data": {"config", "device", "errors", "log"},
+    "checkpoint": {"mpu", "pipeline", "optim", "zero", "model", "data", "config", "device",
+                   "errors", "log"},
+    # validation may ask the rampup schedule (pure math) whether a ramp is valid.
+    "validation": {"config", "errors", "training"},
+    "arguments": {"config", "errors"},
+    "training": {"mpu", "pipeline", "optim", "zero", "model", "data", "checkpoint", "config",
+                 "device", "kernels", "errors", "log"},
+}
+
+
+def _part(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imported_parts(path: Path) -> set[str]:
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            bits = name.split(".")
+            if bits[0] == "megatron3d" and len(bits) > 1:
+                parts.add(bits[1])
+    return parts
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_respect_layers(path):
+    part = _part(path)
+    assert part in ALLOWED, f"new part {part!r}: add its layer to ALLOWED"
+    illegal = _imported_parts(path) - ALLOWED[part] - {part}
+    assert not illegal, f"{path.name} ({part}) imports {sorted(illegal)}"
+
+
+def test_validation_uses_only_the_pure_batch_schedule():
+    imports = {n.module for n in ast.walk(ast.parse((PACKAGE / "validation.py").read_text()))
+               if isinstance(n, ast.ImportFrom) and n.module}
+    assert {m for m in imports if m.startswith("megatron3d.training")} <= {
+        "megatron3d.training.batch_schedule"}
+
+
+def test_no_module_over_400_lines():
+    long = [str(p) for p in PACKAGE.rglob("*.py") if len(p.read_text().splitlines()) > 400]
+    assert not long
+
+
+def test_cuda_is_only_mentioned_in_device_py():
+    offenders = [p.name for p in MODULES if p.name != "device.py"
+                 and (".cuda(" in p.read_text() or "torch.cuda." in p.read_text())]
+    assert not offenders
