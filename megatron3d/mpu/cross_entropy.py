@@ -42,8 +42,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target = target.masked_fill(outside, 0.0)
         comm.all_reduce(target, tp)
 
-        probs = shifted.exp_()  # [..., v/tp], unnormalised; reuses the buffer
-        sum_exp = probs.sum(dim=-1)  # [...]
+        probs = shifted.exp_()  # [..., v/tp], unnormalised (0 on padding); reuses the buffer
+        # Sum the real columns only: the same additions whatever the padding, so the loss is
+        # bitwise independent of the padded vocabulary size.
+        sum_exp = probs[..., :n_real].sum(dim=-1)  # [...]
         comm.all_reduce(sum_exp, tp)
         loss = torch.log(sum_exp) - target  # [...]
 

@@ -1,8 +1,9 @@
 """Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
 Every weight is drawn in full from ``seeded_normal(full_shape, init_std, seed, name.weight)``
-and then sliced for this TP rank, so a TP=k model starts identical to TP=1. Biases start at
-zero. Every parameter carries ``ParamMeta`` saying how it is split, so the optimizer, grad
+and then sliced for this TP rank, so a TP=k model starts identical to TP=1; the embedding is
+drawn at its logical vocabulary size and zero-padded, so padding never changes it. Biases
+start at zero. Every parameter carries ``ParamMeta`` saying how it is split, so the optimizer, grad
 norm and checkpoints never inspect module classes. ``device=None`` leaves parameters on the
 CPU, where they are drawn; pass ``megatron3d.device.device()`` to build them in place.
 """
@@ -151,8 +152,10 @@ class VocabParallelEmbedding(nn.Module):
         rows = _divide(num_embeddings, tp, f"{name}: padded vocabulary size")
         self.vocab_start = tp.rank * rows
         self.vocab_end = self.vocab_start + rows
-        full = seeded_normal((num_embeddings, embedding_dim), init_std, seed, f"{name}.weight")
-        full[logical_vocab_size:] = 0.0
+        # Drawn at the logical size, then zero-padded: the padded size never changes a value.
+        full = torch.zeros(num_embeddings, embedding_dim)  # [v_pad, h]
+        full[:logical_vocab_size] = seeded_normal((logical_vocab_size, embedding_dim), init_std,
+                                                  seed, f"{name}.weight")
         self.weight = _param(tp_shard(full, 0, tp.rank, tp.size),  # [v_pad/tp, h]
                              ParamMeta(name=f"{name}.weight", tp_split_dim=0),
                              params_dtype, device)

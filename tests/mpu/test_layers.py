@@ -100,8 +100,8 @@ def check_row(tp: AxisGroup, input_is_parallel: bool) -> None:
 def check_embedding(tp: AxisGroup, padded: int, logical: int) -> None:
     layer = VocabParallelEmbedding(padded, IN, tp=tp, name="emb", seed=SEED, init_std=STD,
                                    logical_vocab_size=logical)
-    w_ref = seeded_normal((padded, IN), STD, SEED, "emb.weight")
-    w_ref[logical:] = 0.0
+    w_ref = torch.zeros(padded, IN)  # [v_pad, h]: logical rows drawn, padding rows zero
+    w_ref[:logical] = seeded_normal((logical, IN), STD, SEED, "emb.weight")
     w_ref.requires_grad_()
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, logical, (B, S), generator=gen)  # [b, s]
