@@ -16,6 +16,7 @@ from megatron3d.arguments import format_config, parse_args
 from megatron3d.errors import Megatron3dError
 from megatron3d.log import get_logger, setup_logging
 from megatron3d.mpu.state import ParallelState
+from megatron3d.mpu.topology import Topology
 from megatron3d.training.build import build_trainer
 from megatron3d.validation import validate
 
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
+    if cfg.parallel.print_topology:
+        if env.rank == 0:
+            sys.stdout.write(Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
+                                      cfg.parallel.pipeline_model_parallel_size).table() + "\n")
+        return 0
     dev = devices.set_device(env.local_rank)
     devices.init_process_group(env)
     try:

@@ -322,7 +322,6 @@ def _check_implemented(cfg: TrainConfig, world_size: int) -> None:
                           f"gives data-parallel size {dp}): launch a single process for now")
     # field name -> (feature, the only value supported for now)
     not_yet = {
-        "tensor_model_parallel_size": ("tensor parallelism", 1),
         "pipeline_model_parallel_size": ("pipeline parallelism", 1),
         "zero_stage": ("ZeRO", 0),
     }

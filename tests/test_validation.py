@@ -123,8 +123,6 @@ BAD = {
     "rampup bad increment": ({**SAMPLES, "rampup_batch_size": (2, 4, 100),
                               "global_batch_size": 8}, 1, ["--rampup-batch-size", "INCR"]),
     # valid settings that are not implemented yet
-    "tp not yet": ({"tensor_model_parallel_size": 2}, 2,
-                   ["--tensor-model-parallel-size=2", "not supported yet"]),
     "pp not yet": ({"pipeline_model_parallel_size": 2}, 2,
                    ["--pipeline-model-parallel-size=2", "not supported yet"]),
     "zero 1 not yet": ({"zero_stage": 1}, 1, ["--zero-stage=1", "not supported yet"]),

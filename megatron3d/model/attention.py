@@ -34,6 +34,7 @@ class SelfAttention(nn.Module):
                                        init_std=ctx.output_init_std, bias=cfg.add_bias,
                                        **ctx.layer_kwargs())
         self.position_type = cfg.position_embedding_type
+        self.ctx = ctx
         if self.position_type == "rope":
             cos, sin = rotary_tables(cfg.seq_length, self.head_dim, cfg.rotary_base, ctx.device)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -53,11 +54,10 @@ class SelfAttention(nn.Module):
             k = apply_rotary(k, self.rope_cos, self.rope_sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n/tp, s, d]
         dropout = self.dropout_p if self.training else 0.0
-        if self.position_type == "alibi":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._alibi(s, q),
-                                                 dropout_p=dropout)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        mask = self._alibi(s, q) if self.position_type == "alibi" else None
+        with self.ctx.tp_region_rng():  # each TP rank drops out its own heads
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=mask is None)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.dense(out)  # [s, b, h]
 

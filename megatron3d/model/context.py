@@ -6,22 +6,32 @@ stage can build its layers alone.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 
 from megatron3d.config import ModelConfig
+from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup
 
 
 @dataclass(frozen=True)
 class LayerContext:
+    """``rng``: the model-parallel dropout stream; None runs all dropout on the default
+    stream (fine for a single process, wrong across TP ranks)."""
+
     cfg: ModelConfig
     tp: AxisGroup
     seed: int
     params_dtype: torch.dtype = torch.float32
     device: torch.device | None = None
+    rng: RNGStreams | None = None
+
+    def tp_region_rng(self) -> contextlib.AbstractContextManager:
+        """Where dropout acts on TP-split activations: a stream that differs per TP rank."""
+        return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
 
     @property
     def init_std(self) -> float:

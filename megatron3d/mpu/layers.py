@@ -23,21 +23,8 @@ from megatron3d.mpu.mappings import (
 )
 from megatron3d.mpu.meta import ParamMeta, set_meta
 from megatron3d.mpu.random import seeded_normal
+from megatron3d.mpu.sharding import tp_shard
 from megatron3d.mpu.state import AxisGroup
-
-
-def tp_shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s slice of ``full`` along ``dim``, ``stride`` sub-matrices split separately.
-
-    With stride 2 a [gate; up] weight gives rank r the rows [gate_r; up_r]. Checkpoint
-    resharding uses the same function, so the layout is defined once.
-    """
-    if full.shape[dim] % (size * stride) != 0:
-        raise ConfigError(f"dimension {dim} of size {full.shape[dim]} does not divide by "
-                          f"tp size x stride = {size} x {stride}; choose sizes divisible by "
-                          f"{size * stride}")
-    subs = full.chunk(stride, dim=dim)
-    return torch.cat([s.chunk(size, dim=dim)[rank] for s in subs], dim=dim).contiguous()
 
 
 def _param(data: torch.Tensor, meta: ParamMeta, dtype: torch.dtype,
@@ -157,7 +144,8 @@ class VocabParallelEmbedding(nn.Module):
         full[:logical_vocab_size] = seeded_normal((logical_vocab_size, embedding_dim), init_std,
                                                   seed, f"{name}.weight")
         self.weight = _param(tp_shard(full, 0, tp.rank, tp.size),  # [v_pad/tp, h]
-                             ParamMeta(name=f"{name}.weight", tp_split_dim=0),
+                             ParamMeta(name=f"{name}.weight", tp_split_dim=0,
+                                       logical_rows=logical_vocab_size),
                              params_dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ class ParamMeta:
     tp_stride: number of stacked sub-matrices along ``tp_split_dim`` that are split
         separately (2 for a SwiGLU gate+up weight), so each rank holds its slice of each.
     tied_key: parameters sharing a key are one logical weight (tied embeddings).
+    logical_rows: for a vocabulary table padded along dim 0, the number of real rows; the
+        rest are padding that depends on the layout and is never part of the logical weight.
     """
 
     name: str
@@ -31,6 +33,7 @@ class ParamMeta:
     tp_split_dim: int | None = None
     tp_stride: int = 1
     tied_key: str | None = None
+    logical_rows: int | None = None
 
 
 def set_meta(param: torch.nn.Parameter, meta: ParamMeta) -> torch.nn.Parameter:

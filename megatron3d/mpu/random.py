@@ -100,6 +100,13 @@ class RNGStreams:
             self._states[name] = _get_device_state(self.device)
             _set_device_state(self.device, default)
 
+    def stream_states(self) -> dict[str, torch.Tensor]:
+        """The named streams only (copies): what activation recompute must replay."""
+        return {k: v.clone() for k, v in self._states.items()}
+
+    def set_stream_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = {k: v.clone() for k, v in states.items()}
+
     def get_state(self) -> dict[str, torch.Tensor]:
         """Every stream's state, plus the CPU and device default generators (copies)."""
         state = {f"stream:{k}": v.clone() for k, v in self._states.items()}

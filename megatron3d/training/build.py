@@ -18,6 +18,8 @@ from megatron3d.log import TensorBoardWriter, get_logger
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt, lm_loss
 from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.random import RNGStreams
+from megatron3d.mpu.replicas import check_tp_replicas
 from megatron3d.mpu.state import ParallelState
 from megatron3d.optim.flat_buffers import FlatBuffers
 from megatron3d.optim.lr_schedule import LRSchedule
@@ -38,10 +40,12 @@ def logging_rank(state: ParallelState) -> int:
 
 
 def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> Trainer:
-    torch.manual_seed(cfg.training.seed)
+    rng = RNGStreams.create(cfg.training.seed, state.tp.rank, dev)
     dtype = getattr(torch, cfg.precision.params_dtype_name)
-    ctx = LayerContext(cfg.model, state.tp, cfg.training.seed, dtype, dev)
+    ctx = LayerContext(cfg.model, state.tp, cfg.training.seed, dtype, dev, rng)
     model = build_gpt(ctx)
+    check_replicas = functools.partial(check_tp_replicas, list(model.parameters()), state.tp)
+    check_replicas()
     optimizer = build_optimizer(cfg, state, model)
     schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
     total_iters, train_samples = _run_length(cfg, schedule)
@@ -60,7 +64,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> 
         batch_schedule=schedule, lr_schedule=lr_schedule, total_iters=total_iters,
         world_size=state.world_size, padded_vocab_size=ctx.padded_vocab_size, device=dev,
         writer=TensorBoardWriter(cfg.logging.tensorboard_dir,
-                                 enabled=state.world_rank == logging_rank(state)))
+                                 enabled=state.world_rank == logging_rank(state)),
+        check_replicas=check_replicas)
 
 
 def build_optimizer(cfg: TrainConfig, state: ParallelState,

@@ -65,6 +65,7 @@ class Trainer:
     padded_vocab_size: int
     device: torch.device
     writer: TensorBoardWriter
+    check_replicas: Callable[[], None]  # raises if TP-replicated parameters drifted
     progress: Progress = field(default_factory=Progress)
     on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
 
@@ -85,6 +86,9 @@ class Trainer:
                 interval = _Interval()
             if it % self.cfg.training.eval_interval == 0 and self.cfg.training.eval_iters > 0:
                 self._evaluate()
+            replicas_every = self.cfg.parallel.check_replicas_interval
+            if replicas_every and it % replicas_every == 0:
+                self.check_replicas()
         self.writer.flush()
         return self.progress
 

@@ -16,14 +16,10 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional alias
 
 from megatron3d.mpu.cross_entropy import vocab_parallel_cross_entropy
-from megatron3d.mpu.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    tp_shard,
-)
+from megatron3d.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import seeded_normal
+from megatron3d.mpu.sharding import tp_shard, tp_unshard
 from megatron3d.mpu.state import AxisGroup, ParallelState
 from megatron3d.mpu.topology import Topology
 from tests.helpers.dist import run_distributed
@@ -240,3 +236,12 @@ def test_single_state_needs_no_distributed() -> None:
     assert (state.tp.size, state.pp.size, state.dp.size, state.world_size) == (1, 1, 1, 1)
     assert state.tp.group is None and state.tp.ranks == (0,)
     assert state.is_first_stage and state.is_last_stage and state.in_embedding_group
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_unshard_inverts_shard(size, dim, stride):
+    full = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)
+    shards = [tp_shard(full, dim, r, size, stride) for r in range(size)]
+    assert torch.equal(tp_unshard(shards, dim, stride), full)

@@ -1,0 +1,39 @@
+"""Check that TP-replicated parameters are still bitwise identical on every TP rank.
+
+Replicas can only drift through a bug (a missed gradient reduction, rank-dependent
+arithmetic), and a drifted model trains on silently. Rank 0 of the TP group broadcasts its
+replicated parameters; every rank compares and the verdict is agreed, so all ranks fail
+together with the names of the parameters that differ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron3d.mpu import comm
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.state import AxisGroup
+
+
+class ReplicaDriftError(RuntimeError):
+    """TP-replicated parameters differ across TP ranks."""
+
+
+def check_tp_replicas(params: list[nn.Parameter], tp: AxisGroup) -> None:
+    """Raise ReplicaDriftError on every TP rank if any replicated parameter differs."""
+    if tp.size == 1:
+        return
+    replicated = [p for p in params if get_meta(p).tp_split_dim is None]
+    if not replicated:
+        return
+    mine = torch.cat([p.detach().flatten() for p in replicated])
+    reference = comm.broadcast(mine.clone(), tp, src_index=0)
+    differs = [get_meta(p).name for p, a, b in zip(
+        replicated, mine.split([p.numel() for p in replicated]),
+        reference.split([p.numel() for p in replicated]), strict=True) if not torch.equal(a, b)]
+    flag = torch.tensor([float(bool(differs))], device=mine.device)
+    if comm.all_reduce(flag, tp, op=comm.MAX).item() > 0:
+        where = ", ".join(differs) if differs else "on another TP rank"
+        raise ReplicaDriftError(f"TP-replicated parameters drifted apart ({where}) on TP "
+                                f"rank {tp.rank}: this is a bug, please report it")
