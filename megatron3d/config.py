@@ -94,6 +94,8 @@ class ParallelConfig:
     zero_stage: int = _opt(0, "ZeRO stage for data parallelism (0, 1 or 3).")
     pp_partition_method: str = _opt(
         "parameters", "Pipeline partitioning: uniform, parameters or type:REGEX.")
+    sequence_parallel: bool = _opt(
+        False, "Shard norms and dropout along the sequence inside TP groups (saves memory).")
     check_replicas_interval: int = _opt(
         1000, "Check TP-replicated parameters are identical every N steps (0: only at start).")
     print_topology: bool = _opt(False, "Print the rank/group table for this layout and exit.")

@@ -258,8 +258,11 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
              "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size},
             "launch a multiple of TP x PP processes or change the parallel sizes",
         )
-    for name, size in (("num_attention_heads", cfg.model.num_attention_heads),
-                       ("ffn_hidden_size", cfg.model.ffn_size)):
+    sizes = [("num_attention_heads", cfg.model.num_attention_heads),
+             ("ffn_hidden_size", cfg.model.ffn_size)]
+    if parallel.sequence_parallel:  # activations are split along the sequence
+        sizes.append(("seq_length", cfg.model.seq_length))
+    for name, size in sizes:
         if size % tp:
             raise _error(
                 f"{flag(name)} {size} is not divisible by the tensor-parallel size",

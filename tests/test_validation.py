@@ -123,6 +123,9 @@ BAD = {
     "rampup bad increment": ({**SAMPLES, "rampup_batch_size": (2, 4, 100),
                               "global_batch_size": 8}, 1, ["--rampup-batch-size", "INCR"]),
     # valid settings that are not implemented yet
+    "sequence parallel seq not divisible": (
+        {"sequence_parallel": True, "tensor_model_parallel_size": 4, "seq_length": 18,
+         "max_position_embeddings": 18}, 4, ["--seq-length=18", "--tensor-model-parallel-size=4"]),
     "pp not yet": ({"pipeline_model_parallel_size": 2}, 2,
                    ["--pipeline-model-parallel-size=2", "not supported yet"]),
     "zero 1 not yet": ({"zero_stage": 1}, 1, ["--zero-stage=1", "not supported yet"]),

@@ -29,10 +29,10 @@ class SelfAttention(nn.Module):
         self.local_heads = cfg.num_attention_heads // tp.size
         self.dropout_p = cfg.attention_dropout
         self.qkv = ColumnParallelLinear(h, 3 * h, name=f"{name}.qkv", init_std=ctx.init_std,
-                                        bias=cfg.add_bias, **ctx.layer_kwargs())
+                                        bias=cfg.add_bias, **ctx.linear_kwargs())
         self.dense = RowParallelLinear(h, h, name=f"{name}.dense",
                                        init_std=ctx.output_init_std, bias=cfg.add_bias,
-                                       **ctx.layer_kwargs())
+                                       **ctx.linear_kwargs())
         self.position_type = cfg.position_embedding_type
         self.ctx = ctx
         if self.position_type == "rope":
@@ -46,8 +46,9 @@ class SelfAttention(nn.Module):
         self._bias_cache: dict[tuple, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, b, _ = x.shape  # [s, b, h]
-        qkv = self.qkv(x).view(s, b, self.local_heads, 3, self.head_dim)  # [s, b, n/tp, 3, d]
+        qkv = self.qkv(x)  # [s, b, 3h/tp] (gathered along s under sequence parallelism)
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.local_heads, 3, self.head_dim)  # [s, b, n/tp, 3, d]
         q, k, v = qkv.unbind(dim=3)  # each [s, b, n/tp, d]
         if self.position_type == "rope":
             q = apply_rotary(q, self.rope_cos, self.rope_sin)

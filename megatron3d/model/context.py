@@ -28,6 +28,7 @@ class LayerContext:
     params_dtype: torch.dtype = torch.float32
     device: torch.device | None = None
     rng: RNGStreams | None = None
+    sequence_parallel: bool = False
 
     def tp_region_rng(self) -> contextlib.AbstractContextManager:
         """Where dropout acts on TP-split activations: a stream that differs per TP rank."""
@@ -45,6 +46,15 @@ class LayerContext:
     @property
     def padded_vocab_size(self) -> int:
         return self.cfg.padded_vocab_size(self.tp.size)
+
+    def sequence_shard_rng(self) -> contextlib.AbstractContextManager:
+        """Dropout on activations: sequence-sharded ones (SP) differ per TP rank, replicated
+        ones must draw the same mask on every TP rank (the shared default stream)."""
+        return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
+
+    def linear_kwargs(self) -> dict:
+        """Keyword arguments of the parallel linear layers."""
+        return {**self.layer_kwargs(), "sequence_parallel": self.sequence_parallel}
 
     def layer_kwargs(self) -> dict:
         """Keyword arguments shared by every mpu parallel layer."""

@@ -17,7 +17,11 @@ from torch import nn
 from megatron3d.model.context import LayerContext
 from megatron3d.model.norm import Norm
 from megatron3d.mpu.layers import VocabParallelEmbedding
-from megatron3d.mpu.mappings import copy_to_tp_region
+from megatron3d.mpu.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    reduce_scatter_to_sequence_region,
+)
 from megatron3d.mpu.meta import ParamMeta, get_meta, set_meta
 from megatron3d.mpu.random import seeded_normal
 
@@ -49,15 +53,30 @@ class InputEmbedding(nn.Module):
                                   ctx.seed, name)
             self.position_embeddings = set_meta(
                 nn.Parameter(table.to(device=ctx.device, dtype=ctx.params_dtype)),
-                ParamMeta(name=name))
+                ParamMeta(name=name, sequence_parallel=ctx.sequence_parallel))
         self.dropout = cfg.hidden_dropout
+        self.ctx = ctx
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(tokens)  # [b, s, h]
+        if self.ctx.sequence_parallel:
+            x = self._sequence_shard(tokens)
+        else:
+            x = self.word_embeddings(tokens)  # [b, s, h]
+            if self.position_embeddings is not None:
+                x = x + self.position_embeddings[: tokens.shape[1]]
+            x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        with self.ctx.sequence_shard_rng():
+            return F.dropout(x, self.dropout if self.training else 0.0, self.training)
+
+    def _sequence_shard(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's sequence shard [s/tp, b, h]: the partial lookups are summed with a
+        reduce-scatter, then the shard's own positions are added."""
+        partial = self.word_embeddings.partial(tokens).transpose(0, 1).contiguous()  # [s, b, h]
+        x = reduce_scatter_to_sequence_region(partial, self.ctx.tp)  # [s/tp, b, h]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings[: tokens.shape[1]]
-        x = x.transpose(0, 1).contiguous()  # [s, b, h]
-        return F.dropout(x, self.dropout if self.training else 0.0, self.training)
+            start = self.ctx.tp.rank * x.shape[0]
+            x = x + self.position_embeddings[start:start + x.shape[0]].unsqueeze(1)
+        return x
 
 
 class InputNorm(Norm):
@@ -83,6 +102,11 @@ class OutputEmbedding(nn.Module):
         table = _vocab_table(ctx, WORD_EMBEDDINGS if tied else "output_layer", tied)
         self.weight = table.weight  # [v/tp, h]
         self.tp = ctx.tp
+        self.sequence_parallel = ctx.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp_region(x, self.tp), self.weight)
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.tp)  # [s/tp, b, h] -> [s, b, h]
+        else:
+            x = copy_to_tp_region(x, self.tp)
+        return F.linear(x, self.weight)

@@ -24,9 +24,9 @@ class MLP(nn.Module):
         stacked = 2 if self.swiglu else 1
         self.fc1 = ColumnParallelLinear(h, stacked * f, name=f"{name}.fc1", stride=stacked,
                                         init_std=ctx.init_std, bias=cfg.add_bias,
-                                        **ctx.layer_kwargs())
+                                        **ctx.linear_kwargs())
         self.fc2 = RowParallelLinear(f, h, name=f"{name}.fc2", init_std=ctx.output_init_std,
-                                     bias=cfg.add_bias, **ctx.layer_kwargs())
+                                     bias=cfg.add_bias, **ctx.linear_kwargs())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.fc1(x)  # [s, b, f/tp] (or [s, b, 2f/tp] with SwiGLU)

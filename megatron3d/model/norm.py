@@ -10,12 +10,14 @@ from megatron3d.model.context import LayerContext
 from megatron3d.mpu.meta import ParamMeta, set_meta
 
 
-def _param(value: torch.Tensor, name: str) -> nn.Parameter:
-    return set_meta(nn.Parameter(value), ParamMeta(name=name, no_weight_decay=True))
+def _param(value: torch.Tensor, name: str, sequence_parallel: bool) -> nn.Parameter:
+    return set_meta(nn.Parameter(value), ParamMeta(name=name, no_weight_decay=True,
+                                                   sequence_parallel=sequence_parallel))
 
 
 class Norm(nn.Module):
-    """``--normalization layernorm|rmsnorm`` over the hidden dimension."""
+    """``--normalization layernorm|rmsnorm`` over the hidden dimension (of a sequence shard
+    under sequence parallelism, hence the partial gradients)."""
 
     def __init__(self, ctx: LayerContext, name: str) -> None:
         super().__init__()
@@ -23,8 +25,9 @@ class Norm(nn.Module):
         opts = {"dtype": ctx.params_dtype, "device": ctx.device}
         self.eps = ctx.cfg.layernorm_epsilon
         self.rms = kind == "rmsnorm"
-        self.weight = _param(torch.ones(h, **opts), f"{name}.weight")
-        self.bias = None if self.rms else _param(torch.zeros(h, **opts), f"{name}.bias")
+        sp = ctx.sequence_parallel
+        self.weight = _param(torch.ones(h, **opts), f"{name}.weight", sp)
+        self.bias = None if self.rms else _param(torch.zeros(h, **opts), f"{name}.bias", sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:

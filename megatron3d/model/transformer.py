@@ -30,6 +30,7 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = ctx.cfg.hidden_dropout
         self.recompute = ctx.cfg.checkpoint_activations
         self.rng = ctx.rng
+        self.dropout_rng = ctx.sequence_shard_rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
@@ -45,8 +46,12 @@ class TransformerLayer(nn.Module):
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
-        x = x + F.dropout(self.attention(self.input_norm(x)), p, self.training)
-        return x + F.dropout(self.mlp(self.post_attention_norm(x)), p, self.training)
+        attn = self.attention(self.input_norm(x))  # [s, b, h] or [s/tp, b, h] under SP
+        with self.dropout_rng():
+            x = x + F.dropout(attn, p, self.training)
+        mlp = self.mlp(self.post_attention_norm(x))
+        with self.dropout_rng():
+            return x + F.dropout(mlp, p, self.training)
 
 
 @contextlib.contextmanager

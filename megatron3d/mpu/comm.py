@@ -126,3 +126,13 @@ def recv(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
     _check(axis, "recv", t)
     dist.recv(t, src=axis.ranks[src_index], group=axis.group)
     return t
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], axis: AxisGroup) -> None:
+    """Sum each tensor in place over ``axis`` with a single collective on their concatenation
+    (many small gradients, e.g. sequence-parallel norm weights)."""
+    if axis.size == 1 or not tensors:
+        return
+    flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]), axis)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(part.view_as(t))

@@ -17,8 +17,10 @@ from torch import nn
 from megatron3d.errors import ConfigError
 from megatron3d.mpu.mappings import (
     copy_to_tp_region,
+    gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
 )
 from megatron3d.mpu.meta import ParamMeta, set_meta
@@ -50,10 +52,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, name: str,
                  seed: int, init_std: float, bias: bool = True, gather_output: bool = False,
-                 stride: int = 1, params_dtype: torch.dtype = torch.float32,
+                 stride: int = 1, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.tp, self.gather_output, self.stride = tp, gather_output, stride
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         out_local = _divide(out_features, tp, f"{name}: output features")
         full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight")
@@ -68,7 +72,10 @@ class ColumnParallelLinear(nn.Module):
                                params_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp_region(x, self.tp)
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.tp)  # [s/tp, b, in] -> [s, b, in]
+        else:
+            x = copy_to_tp_region(x, self.tp)
         y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
         if not self.gather_output:
             return y
@@ -93,10 +100,11 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, name: str,
                  seed: int, init_std: float, bias: bool = True, input_is_parallel: bool = True,
-                 params_dtype: torch.dtype = torch.float32,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.tp, self.input_is_parallel = tp, input_is_parallel
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         _divide(in_features, tp, f"{name}: input features")
         full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight")
@@ -106,13 +114,18 @@ class RowParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = _param(torch.zeros(out_features),  # [out]
-                               ParamMeta(name=f"{name}.bias", no_weight_decay=True),
+                               ParamMeta(name=f"{name}.bias", no_weight_decay=True,
+                                         sequence_parallel=sequence_parallel),
                                params_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)  # [..., in/tp]
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)  # [..., out]
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(partial, self.tp)  # [s/tp, b, out]
+        else:
+            y = reduce_from_tp_region(partial, self.tp)  # [..., out]
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -150,13 +163,17 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] (global token ids) -> embeddings [b, s, h]."""
+        return reduce_from_tp_region(self.partial(ids), self.tp)
+
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the lookup, zeros elsewhere: summed over TP it is the lookup
+        (sequence parallelism sums it with a reduce-scatter instead of an all-reduce)."""
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # [b, s]
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)  # [b, s, h], partial
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (logical {self.logical_vocab_size}), "

@@ -8,6 +8,13 @@ gradients equal the single-process ones:
     scatter_to_tp_region   fwd split last dim    bwd all-gather last dim
     gather_from_tp_region  fwd all-gather last   bwd split last dim
 
+Sequence parallelism shards activations along the sequence (dim 0 of [s, b, h]) between TP
+regions, replacing each all-reduce by a reduce-scatter plus an all-gather:
+
+    scatter_to_sequence_region         fwd split seq       bwd all-gather seq
+    gather_from_sequence_region        fwd all-gather seq  bwd reduce-scatter seq
+    reduce_scatter_to_sequence_region  fwd reduce-scatter  bwd all-gather seq
+
 On a size-1 axis every function is the identity and adds no autograd node. Reductions run on
 clones: autograd inputs and incoming gradients may be shared, so they are never written.
 """
@@ -90,3 +97,50 @@ def scatter_to_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
 def gather_from_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     """Concatenate every rank's last-dim chunk: all-gather forward, split backward."""
     return x if tp.size == 1 else _GatherFromTP.apply(x, tp)
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+        ctx.tp = tp
+        if x.shape[0] % tp.size != 0:
+            raise ValueError(f"sequence length {x.shape[0]} does not divide by tp {tp.size}")
+        return x.chunk(tp.size, dim=0)[tp.rank].contiguous()  # [s/tp, b, h]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return comm.all_gather(grad.contiguous(), ctx.tp, dim=0), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return comm.all_gather(x.contiguous(), tp, dim=0)  # [s, b, h]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return comm.reduce_scatter(grad.contiguous(), ctx.tp, dim=0), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return comm.reduce_scatter(x.contiguous(), tp, dim=0)  # [s/tp, b, h]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return comm.all_gather(grad.contiguous(), ctx.tp, dim=0), None
+
+
+def scatter_to_sequence_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    return x if tp.size == 1 else _ScatterToSequence.apply(x, tp)
+
+
+def gather_from_sequence_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp)

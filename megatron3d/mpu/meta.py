@@ -26,6 +26,8 @@ class ParamMeta:
     tied_key: parameters sharing a key are one logical weight (tied embeddings).
     logical_rows: for a vocabulary table padded along dim 0, the number of real rows; the
         rest are padding that depends on the layout and is never part of the logical weight.
+    sequence_parallel: a TP-replicated parameter applied to sequence-sharded activations, so
+        each TP rank's gradient covers only its shard and must be all-reduced over TP.
     """
 
     name: str
@@ -34,6 +36,7 @@ class ParamMeta:
     tp_stride: int = 1
     tied_key: str | None = None
     logical_rows: int | None = None
+    sequence_parallel: bool = False
 
 
 def set_meta(param: torch.nn.Parameter, meta: ParamMeta) -> torch.nn.Parameter:

@@ -17,6 +17,7 @@ from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.log import TensorBoardWriter, get_logger
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt, lm_loss
+from megatron3d.mpu import comm
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.replicas import check_tp_replicas
@@ -42,11 +43,14 @@ def logging_rank(state: ParallelState) -> int:
 def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> Trainer:
     rng = RNGStreams.create(cfg.training.seed, state.tp.rank, dev)
     dtype = getattr(torch, cfg.precision.params_dtype_name)
-    ctx = LayerContext(cfg.model, state.tp, cfg.training.seed, dtype, dev, rng)
+    ctx = LayerContext(cfg.model, state.tp, cfg.training.seed, dtype, dev, rng,
+                       sequence_parallel=cfg.parallel.sequence_parallel)
     model = build_gpt(ctx)
-    check_replicas = functools.partial(check_tp_replicas, list(model.parameters()), state.tp)
+    params = list(model.parameters())
+    check_replicas = functools.partial(check_tp_replicas, params, state.tp)
     check_replicas()
     optimizer = build_optimizer(cfg, state, model)
+    sequence_parallel_grads = [p.main_grad for p in params if get_meta(p).sequence_parallel]
     schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
     total_iters, train_samples = _run_length(cfg, schedule)
     lr_schedule = LRSchedule.from_config(cfg.optimizer, cfg.lr_schedule, train_samples,
@@ -65,7 +69,9 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> 
         world_size=state.world_size, padded_vocab_size=ctx.padded_vocab_size, device=dev,
         writer=TensorBoardWriter(cfg.logging.tensorboard_dir,
                                  enabled=state.world_rank == logging_rank(state)),
-        check_replicas=check_replicas)
+        check_replicas=check_replicas,
+        sync_grads=functools.partial(comm.all_reduce_coalesced, sequence_parallel_grads,
+                                     state.tp))
 
 
 def build_optimizer(cfg: TrainConfig, state: ParallelState,

@@ -66,6 +66,7 @@ class Trainer:
     device: torch.device
     writer: TensorBoardWriter
     check_replicas: Callable[[], None]  # raises if TP-replicated parameters drifted
+    sync_grads: Callable[[], None]  # reductions between backward and the optimizer step
     progress: Progress = field(default_factory=Progress)
     on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
 
@@ -97,7 +98,7 @@ class Trainer:
         gbs = self.batch_schedule.global_batch_size_at(consumed)
         lr = self.lr_schedule.lr_at(consumed)
         result = train_step(self.model, self.optimizer, self.train_batches(consumed, gbs),
-                            self.loss_fn, lr)
+                            self.loss_fn, lr, self.sync_grads)
         self.progress.iteration += 1
         self.progress.consumed_samples += gbs
         self.progress.consumed_tokens += gbs * self.cfg.model.seq_length

@@ -39,7 +39,11 @@ def forward_backward(model: nn.Module, batches: list[MicroBatch], loss_fn: LossF
 
 
 def train_step(model: nn.Module, optimizer: MixedPrecisionOptimizer,
-               batches: list[MicroBatch], loss_fn: LossFn, lr: float) -> StepResult:
+               batches: list[MicroBatch], loss_fn: LossFn, lr: float,
+               sync_grads: Callable[[], None] = lambda: None) -> StepResult:
+    """``sync_grads`` completes gradient reductions between backward and the optimizer
+    (sequence-parallel replicated parameters over TP)."""
     optimizer.zero_grad()
     loss = forward_backward(model, batches, loss_fn, optimizer.loss_scale)
+    sync_grads()
     return StepResult(loss=loss, stats=optimizer.step(lr))

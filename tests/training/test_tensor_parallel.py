@@ -31,22 +31,26 @@ def _reference(flavour: str, extra: tuple[str, ...] = ()):
     return train_single(_argv(flavour, 1, *extra))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tp_matches_single_process(tp):
-    results = run_distributed(_all_flavours, tp, tp, ())
+@pytest.mark.parametrize(("tp", "extra"), [(2, ()), (4, ()), (2, ("--sequence-parallel",)),
+                                           (4, ("--sequence-parallel",))],
+                         ids=["tp2", "tp4", "tp2-sp", "tp4-sp"])
+def test_tp_matches_single_process(tp, extra):
+    results = run_distributed(_all_flavours, tp, tp, extra)
     for flavour in FLAVOURS:
         reference = _reference(flavour)
         for rank, per_flavour in enumerate(results):
             try:
                 assert_same_run(per_flavour[flavour], reference, FP32)
             except AssertionError as err:
-                raise AssertionError(f"{flavour}, TP={tp}, rank {rank}: {err}") from err
+                raise AssertionError(f"{flavour}, TP={tp} {extra}, rank {rank}: {err}") from err
 
 
-def test_tp_with_dropout_has_the_same_loss_statistics():
-    """Attention dropout differs per TP rank by design; the loss curve must not."""
+@pytest.mark.parametrize("sp", [(), ("--sequence-parallel",)], ids=["tp2", "tp2-sp"])
+def test_tp_with_dropout_has_the_same_loss_statistics(sp):
+    """Attention dropout (and, under SP, all dropout) differs per TP rank by design; the loss
+    curve must not."""
     extra = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--lr", "1e-2")
-    tp2, tp2_rank1 = run_distributed(_dropout_run, 2, extra)
+    tp2, tp2_rank1 = run_distributed(_dropout_run, 2, (*extra, *sp))
     reference = train_single(train_argv("gpt2", 30, *extra))
     no_dropout = train_single(train_argv("gpt2", 30, "--lr", "1e-2"))
     # Replicated activations (and so the loss) agree bitwise across TP ranks: hidden dropout
