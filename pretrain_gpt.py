@@ -27,15 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     env = devices.launch_env()
     try:
         cfg = parse_args(argv)
+        if cfg.parallel.print_topology:  # a planning aid: only the layout must be valid
+            table = Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
+                             cfg.parallel.pipeline_model_parallel_size).table()
+            if env.rank == 0:
+                sys.stdout.write(table + "\n")
+            return 0
         validate(cfg, env.world_size)
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
-    if cfg.parallel.print_topology:
-        if env.rank == 0:
-            sys.stdout.write(Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
-                                      cfg.parallel.pipeline_model_parallel_size).table() + "\n")
-        return 0
     dev = devices.set_device(env.local_rank)
     devices.init_process_group(env)
     try:
@@ -45,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.info(format_config(cfg))
         logger.info(state.topology.table())
         logger.info("device: %s", devices.describe(dev))
-        build_trainer(cfg, state, dev).run()
+        trainer = build_trainer(cfg, state, dev)
+    except Megatron3dError as err:  # e.g. a pipeline partition that leaves a stage empty
+        sys.stderr.write(f"error: {err}\n")
+        dist.destroy_process_group()
+        return 2
+    try:
+        trainer.run()
     finally:
         dist.destroy_process_group()
     return 0

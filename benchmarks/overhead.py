@@ -2,7 +2,9 @@
 
 Both loops train the same GPT (same weights, same micro-batches, same math: AdamW with
 decoupled weight decay on the same parameter groups, global-norm clipping, mean micro-batch
-loss). The steps are interleaved (ours, plain, ours, plain, ...) in one process so machine
+loss). Ours is exactly what pretrain_gpt.py runs: the trainer built by ``build_trainer``,
+stepped by ``train_step`` (pipeline engine, flat fp32 gradient buffers, grad stats, optimizer).
+The steps are interleaved (ours, plain, ours, plain, ...) in one process so machine
 noise hits both alike, and the ratio of median step times is printed. Target: <= 1.03.
 
     python benchmarks/overhead.py                  # CPU-sized model
@@ -23,16 +25,14 @@ import torch.nn.functional as F  # noqa: N812
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron3d import device as devices  # noqa: E402
-from megatron3d.config import ModelConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
-from megatron3d.data.mock import MockGPTDataset  # noqa: E402
-from megatron3d.data.sampler import micro_batches  # noqa: E402
+from megatron3d.arguments import parse_args  # noqa: E402
 from megatron3d.model.context import LayerContext  # noqa: E402
-from megatron3d.model.gpt import build_gpt, lm_loss  # noqa: E402
+from megatron3d.model.gpt import build_gpt  # noqa: E402
 from megatron3d.mpu.meta import get_meta  # noqa: E402
-from megatron3d.mpu.state import AxisGroup  # noqa: E402
-from megatron3d.optim.flat_buffers import FlatBuffers  # noqa: E402
-from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
+from megatron3d.mpu.state import AxisGroup, ParallelState  # noqa: E402
+from megatron3d.training.build import build_trainer  # noqa: E402
 from megatron3d.training.step import train_step  # noqa: E402
+from megatron3d.validation import validate  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -66,28 +66,30 @@ def _plain_step(model, opt, batches, clip: float, lr: float) -> None:
 def main() -> None:
     a = _args()
     dev = devices.device()
-    dtype = torch.bfloat16 if a.bf16 else torch.float32
-    cfg = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                      seq_length=a.seq, vocab_size=a.vocab, hidden_dropout=0.0,
-                      attention_dropout=0.0)
-    ctx = LayerContext(cfg, AxisGroup.single(), seed=1, params_dtype=dtype, device=dev)
-    ours = build_gpt(ctx)
+    cfg = parse_args([
+        "--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
+        "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
+        "--micro-batch-size", str(a.micro_batch),
+        "--global-batch-size", str(a.micro_batch * a.micro_batches), "--train-iters", "1",
+        "--lr", "1e-4", "--weight-decay", "0.1", "--clip-grad", "1.0", "--mock-data",
+        "--vocab-size", str(a.vocab), "--hidden-dropout", "0", "--attention-dropout", "0",
+        *(["--bf16"] if a.bf16 else [])])
+    validate(cfg, 1)
+    trainer = build_trainer(cfg, ParallelState.single(), dev)
+    dtype = trainer.engine.dtype
+    ctx = LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, dtype, dev)
     plain = build_gpt(ctx)  # identical weights: init depends only on seed and names
-    optim_cfg = OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0)
-    optimizer = MixedPrecisionOptimizer(FlatBuffers(list(ours.parameters())), optim_cfg,
-                                        PrecisionConfig(bf16=a.bf16), norm_axes=[])
     decay = [p for p in plain.parameters() if not get_meta(p).no_weight_decay]
     no_decay = [p for p in plain.parameters() if get_meta(p).no_weight_decay]
     plain_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=1e-4,
                                   foreach=dev.type == "cpu", fused=dev.type == "cuda")
-    data = MockGPTDataset(a.vocab, a.seq, seed=1)
     gbs = a.micro_batch * a.micro_batches
-    batches = micro_batches(data, 0, gbs, a.micro_batch, 0, 1, dev)
-    loss_fn = lambda logits, b: lm_loss(logits, b.labels, b.loss_mask, ctx)  # noqa: E731
+    batches = trainer.train_batches(0, gbs)
 
     runs = {
-        "megatron3d": lambda: train_step(ours, optimizer, batches, loss_fn, 1e-4),
+        "megatron3d": lambda: train_step(trainer.engine, trainer.optimizer, batches, 1e-4,
+                                         trainer.sync_grads),
         "plain": lambda: _plain_step(plain, plain_opt, batches, 1.0, 1e-4),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}

@@ -94,6 +94,8 @@ class ParallelConfig:
     zero_stage: int = _opt(0, "ZeRO stage for data parallelism (0, 1 or 3).")
     pp_partition_method: str = _opt(
         "parameters", "Pipeline partitioning: uniform, parameters or type:REGEX.")
+    pipeline_schedule: Literal["1f1b", "gpipe"] = _opt(
+        "1f1b", "Pipeline schedule: 1f1b (at most PP micro-batches in flight) or gpipe.")
     sequence_parallel: bool = _opt(
         False, "Shard norms and dropout along the sequence inside TP groups (saves memory).")
     check_replicas_interval: int = _opt(

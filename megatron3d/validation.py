@@ -322,10 +322,9 @@ def _check_implemented(cfg: TrainConfig, world_size: int) -> None:
     dp = parallel.data_parallel_size(world_size)
     if dp > 1:  # gradients are not yet reduced across data-parallel ranks
         raise ConfigError(f"data parallelism is not supported yet (world size {world_size} "
-                          f"gives data-parallel size {dp}): launch a single process for now")
+                          f"gives data-parallel size {dp}): launch exactly TP x PP processes")
     # field name -> (feature, the only value supported for now)
     not_yet = {
-        "pipeline_model_parallel_size": ("pipeline parallelism", 1),
         "zero_stage": ("ZeRO", 0),
     }
     for name, (feature, supported) in not_yet.items():

@@ -50,7 +50,7 @@ class InputEmbedding(nn.Module):
         if cfg.position_embedding_type == "learned_absolute":
             name = "embedding.position_embeddings.weight"
             table = seeded_normal((cfg.max_positions, cfg.hidden_size), ctx.init_std,
-                                  ctx.seed, name)
+                                  ctx.seed, name, ctx.device)
             self.position_embeddings = set_meta(
                 nn.Parameter(table.to(device=ctx.device, dtype=ctx.params_dtype)),
                 ParamMeta(name=name, sequence_parallel=ctx.sequence_parallel))

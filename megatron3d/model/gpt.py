@@ -7,12 +7,15 @@ without pipelining the whole list is one stage.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron3d.model.context import LayerContext
 from megatron3d.model.embedding import FinalNorm, InputEmbedding, InputNorm, OutputEmbedding
 from megatron3d.model.transformer import TransformerLayer
 from megatron3d.mpu.cross_entropy import vocab_parallel_cross_entropy
+from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.spec import LayerSpec, Stage, build_stage
 
 
@@ -25,6 +28,14 @@ def gpt_layer_specs(ctx: LayerContext) -> list[LayerSpec]:
               for i in range(ctx.cfg.num_layers)]
     specs += [LayerSpec(FinalNorm, {"ctx": ctx}), LayerSpec(OutputEmbedding, {"ctx": ctx})]
     return specs
+
+
+def layer_param_counts(ctx: LayerContext) -> list[int]:
+    """Logical parameters of each spec, counted on the meta device (nothing is drawn), so
+    every rank computes the same pipeline partition without building the model."""
+    meta = dataclasses.replace(ctx, tp=AxisGroup.single(), device=torch.device("meta"),
+                               rng=None)
+    return [sum(p.numel() for p in spec.build().parameters()) for spec in gpt_layer_specs(meta)]
 
 
 def build_gpt(ctx: LayerContext) -> Stage:

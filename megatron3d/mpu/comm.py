@@ -115,17 +115,22 @@ def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
     return t
 
 
-def send(t: torch.Tensor, axis: AxisGroup, dst_index: int) -> None:
-    """Blocking send to the ``dst_index``-th member of the axis (pipeline neighbours)."""
-    _check(axis, "send", t)
-    dist.send(t.contiguous(), dst=axis.ranks[dst_index], group=axis.group)
-
-
-def recv(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
-    """Blocking receive into ``t`` from the ``src_index``-th member; returns ``t``."""
-    _check(axis, "recv", t)
-    dist.recv(t, src=axis.ranks[src_index], group=axis.group)
-    return t
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+             axis: AxisGroup) -> None:
+    """Post every send ``(tensor, dst_index)`` and receive ``(buffer, src_index)`` together,
+    then wait for all of them (pipeline neighbours sending to each other at once cannot
+    deadlock). This is the only point-to-point path, so messages between two ranks always
+    travel in the order they are listed."""
+    ops = []
+    for t, dst in sends:
+        _check(axis, "send", t)
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), axis.ranks[dst], group=axis.group))
+    for t, src in recvs:
+        _check(axis, "recv", t)
+        ops.append(dist.P2POp(dist.irecv, t, axis.ranks[src], group=axis.group))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], axis: AxisGroup) -> None:

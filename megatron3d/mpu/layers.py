@@ -29,6 +29,11 @@ from megatron3d.mpu.sharding import tp_shard
 from megatron3d.mpu.state import AxisGroup
 
 
+def _draw_device(device: torch.device | str | None) -> str:
+    """Weights are drawn on the CPU, except on "meta" (shapes only, for counting)."""
+    return "meta" if torch.device(device or "cpu").type == "meta" else "cpu"
+
+
 def _param(data: torch.Tensor, meta: ParamMeta, dtype: torch.dtype,
            device: torch.device | str | None) -> nn.Parameter:
     return set_meta(nn.Parameter(data.to(device=device, dtype=dtype)), meta)
@@ -60,13 +65,14 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         out_local = _divide(out_features, tp, f"{name}: output features")
-        full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight")
+        full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight",
+                             device)
         self.weight = _param(tp_shard(full, 0, tp.rank, tp.size, stride),  # [out/tp, in]
                              ParamMeta(name=f"{name}.weight", tp_split_dim=0, tp_stride=stride),
                              params_dtype, device)
         self.bias = None
         if bias:
-            self.bias = _param(torch.zeros(out_local),  # [out/tp]
+            self.bias = _param(torch.zeros(out_local, device=_draw_device(device)),  # [out/tp]
                                ParamMeta(name=f"{name}.bias", no_weight_decay=True,
                                          tp_split_dim=0, tp_stride=stride),
                                params_dtype, device)
@@ -107,13 +113,14 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         _divide(in_features, tp, f"{name}: input features")
-        full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight")
+        full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight",
+                             device)
         self.weight = _param(tp_shard(full, 1, tp.rank, tp.size),  # [out, in/tp]
                              ParamMeta(name=f"{name}.weight", tp_split_dim=1),
                              params_dtype, device)
         self.bias = None
         if bias:
-            self.bias = _param(torch.zeros(out_features),  # [out]
+            self.bias = _param(torch.zeros(out_features, device=_draw_device(device)),  # [out]
                                ParamMeta(name=f"{name}.bias", no_weight_decay=True,
                                          sequence_parallel=sequence_parallel),
                                params_dtype, device)
@@ -153,9 +160,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * rows
         self.vocab_end = self.vocab_start + rows
         # Drawn at the logical size, then zero-padded: the padded size never changes a value.
-        full = torch.zeros(num_embeddings, embedding_dim)  # [v_pad, h]
+        full = torch.zeros(num_embeddings, embedding_dim, device=_draw_device(device))
         full[:logical_vocab_size] = seeded_normal((logical_vocab_size, embedding_dim), init_std,
-                                                  seed, f"{name}.weight")
+                                                  seed, f"{name}.weight", device)  # [v_pad, h]
         self.weight = _param(tp_shard(full, 0, tp.rank, tp.size),  # [v_pad/tp, h]
                              ParamMeta(name=f"{name}.weight", tp_split_dim=0,
                                        logical_rows=logical_vocab_size),

@@ -29,8 +29,15 @@ def stable_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def seeded_normal(shape: Sequence[int], std: float, seed: int, name: str) -> torch.Tensor:
-    """N(0, std^2) fp32 CPU tensor that depends only on ``seed``, ``name`` and ``shape``."""
+def seeded_normal(shape: Sequence[int], std: float, seed: int, name: str,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """N(0, std^2) fp32 CPU tensor that depends only on ``seed``, ``name`` and ``shape``.
+
+    On the "meta" device it only has the shape: the pipeline partitioner builds layers there
+    to count parameters without drawing or storing any weight.
+    """
+    if torch.device(device or "cpu").type == "meta":
+        return torch.empty(tuple(shape), dtype=torch.float32, device="meta")
     gen = torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
 

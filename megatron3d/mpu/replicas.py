@@ -29,11 +29,17 @@ def check_tp_replicas(params: list[nn.Parameter], tp: AxisGroup) -> None:
         return
     mine = torch.cat([p.detach().flatten() for p in replicated])
     reference = comm.broadcast(mine.clone(), tp, src_index=0)
-    differs = [get_meta(p).name for p, a, b in zip(
-        replicated, mine.split([p.numel() for p in replicated]),
-        reference.split([p.numel() for p in replicated]), strict=True) if not torch.equal(a, b)]
-    flag = torch.tensor([float(bool(differs))], device=mine.device)
-    if comm.all_reduce(flag, tp, op=comm.MAX).item() > 0:
-        where = ", ".join(differs) if differs else "on another TP rank"
-        raise ReplicaDriftError(f"TP-replicated parameters drifted apart ({where}) on TP "
-                                f"rank {tp.rank}: this is a bug, please report it")
+    sizes = [p.numel() for p in replicated]
+    differs = torch.tensor([float(not _same_bits(a, b)) for a, b in zip(
+        mine.split(sizes), reference.split(sizes), strict=True)], device=mine.device)
+    comm.all_reduce(differs, tp, op=comm.MAX)  # every rank learns which ones differ
+    names = [get_meta(p).name for p, d in zip(replicated, differs.tolist(), strict=True) if d]
+    if names:
+        raise ReplicaDriftError(f"TP-replicated parameters drifted apart across TP ranks "
+                                f"{list(tp.ranks)}: {', '.join(names)}; this is a bug, please "
+                                "report it")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (a NaN equals the same NaN)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -1,31 +1,21 @@
-"""Validation loss: the same forward path with dropout off and no gradients."""
+"""Validation loss: the same forward path (through the pipeline) without gradients."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
-import torch
-from torch import nn
-
-from megatron3d.data.sampler import MicroBatch
-from megatron3d.training.step import LossFn
+from megatron3d.pipeline.engine import Batch, PipelineEngine
 
 
-def evaluate(model: nn.Module, batches_for: Callable[[int], list[MicroBatch]], num_iters: int,
-             loss_fn: LossFn) -> float:
-    """Mean loss over ``num_iters`` validation global batches (one host sync at the end)."""
-    model.eval()
-    total = None
-    count = 0
-    with torch.no_grad():
-        for i in range(num_iters):
-            for batch in batches_for(i):
-                loss = loss_fn(model(batch.tokens), batch)
-                total = loss if total is None else total + loss
-                count += 1
-    model.train()
-    return float(total) / count
+def evaluate(engine: PipelineEngine, batches_for: Callable[[int], list[Batch]],
+             num_iters: int) -> float:
+    """Mean loss over ``num_iters`` validation global batches, meaningful on the last stage
+    (one host sync at the end)."""
+    engine.stage.eval()
+    total = sum(engine.forward_only(batches_for(i)) for i in range(num_iters))
+    engine.stage.train()
+    return float(total) / num_iters
 
 
 def format_eval_line(iteration: int, loss: float) -> str:

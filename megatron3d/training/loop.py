@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from megatron3d import device as devices
 from megatron3d.config import TrainConfig
@@ -20,11 +19,12 @@ from megatron3d.data.sampler import MicroBatch
 from megatron3d.log import IterationStats, TensorBoardWriter, format_iteration_line, get_logger
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+from megatron3d.pipeline.engine import PipelineEngine
 from megatron3d.training import metrics as m
 from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.evaluate import evaluate, format_eval_line
 from megatron3d.training.flops import FlopsCount, flops_per_iteration, throughput
-from megatron3d.training.step import LossFn, StepResult, train_step
+from megatron3d.training.step import StepResult, train_step
 
 logger = get_logger(__name__)
 
@@ -53,9 +53,8 @@ class Trainer:
     """Runs ``total_iters`` steps; built by ``training.build``."""
 
     cfg: TrainConfig
-    model: nn.Module
+    engine: PipelineEngine
     optimizer: MixedPrecisionOptimizer
-    loss_fn: LossFn
     train_batches: Callable[[int, int], list[MicroBatch]]  # (consumed, gbs) -> micro-batches
     valid_batches: Callable[[int], list[MicroBatch]]  # eval iteration -> micro-batches
     batch_schedule: BatchSchedule
@@ -71,7 +70,7 @@ class Trainer:
     on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
 
     def run(self) -> Progress:
-        self.model.train()
+        self.engine.stage.train()
         metrics = m.IntervalMetrics(self.device)
         interval = _Interval()
         while self.progress.iteration < self.total_iters:
@@ -97,8 +96,8 @@ class Trainer:
         consumed = self.progress.consumed_samples
         gbs = self.batch_schedule.global_batch_size_at(consumed)
         lr = self.lr_schedule.lr_at(consumed)
-        result = train_step(self.model, self.optimizer, self.train_batches(consumed, gbs),
-                            self.loss_fn, lr, self.sync_grads)
+        result = train_step(self.engine, self.optimizer, self.train_batches(consumed, gbs), lr,
+                            self.sync_grads)
         self.progress.iteration += 1
         self.progress.consumed_samples += gbs
         self.progress.consumed_tokens += gbs * self.cfg.model.seq_length
@@ -134,7 +133,6 @@ class Trainer:
         return self.cfg.logging.peak_tflops or devices.peak_tflops(self.device)
 
     def _evaluate(self) -> None:
-        loss = evaluate(self.model, self.valid_batches, self.cfg.training.eval_iters,
-                        self.loss_fn)
+        loss = evaluate(self.engine, self.valid_batches, self.cfg.training.eval_iters)
         logger.info(format_eval_line(self.progress.iteration, loss))
         self.writer.write_eval(loss, self.progress.iteration)

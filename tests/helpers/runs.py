@@ -12,14 +12,17 @@ from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState
 from megatron3d.training.build import build_trainer
+from megatron3d.training.evaluate import evaluate
 from megatron3d.validation import validate
 
 
 @dataclass
 class RunResult:
-    losses: list[float]
+    losses: list[float]  # meaningful on the last pipeline stage
     grad_norms: list[float]
-    params: dict[str, torch.Tensor]  # logical name -> full logical value
+    params: dict[str, torch.Tensor]  # this stage's parameters: logical name -> logical value
+    eval_loss: float  # after training, one validation batch (meaningful on the last stage)
+    last_stage: bool = True
 
 
 def train(argv: list[str]) -> RunResult:
@@ -39,8 +42,10 @@ def train(argv: list[str]) -> RunResult:
     trainer.on_step = record
     trainer.run()
     params = {get_meta(p).name: gather_logical(p, state.tp).clone()
-              for p in trainer.model.parameters()}
-    return RunResult([x.item() for x in losses], [x.item() for x in norms], params)
+              for p in trainer.engine.stage.parameters()}
+    eval_loss = evaluate(trainer.engine, trainer.valid_batches, 1)
+    return RunResult([x.item() for x in losses], [x.item() for x in norms], params, eval_loss,
+                     last_stage=state.is_last_stage)
 
 
 def train_single(argv: list[str]) -> RunResult:
@@ -54,10 +59,27 @@ def train_single(argv: list[str]) -> RunResult:
         torch.distributed.destroy_process_group()
 
 
+def merge_ranks(results: list[RunResult]) -> RunResult:
+    """One run from every rank's view: the last stage's losses, all stages' parameters.
+    Copies of one logical parameter on several ranks (TP replicas, tied embeddings, DP
+    replicas) must be bitwise identical."""
+    last = next(r for r in results if r.last_stage)
+    params: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(results):
+        assert result.grad_norms == last.grad_norms, f"rank {rank} sees another grad norm"
+        for name, value in result.params.items():
+            if name in params:
+                assert torch.equal(params[name], value), f"copies of {name} differ (rank {rank})"
+            params[name] = value
+    return RunResult(last.losses, last.grad_norms, params, last.eval_loss)
+
+
 def assert_same_run(actual: RunResult, expected: RunResult, tol: dict) -> None:
     torch.testing.assert_close(torch.tensor(actual.losses), torch.tensor(expected.losses), **tol)
     torch.testing.assert_close(torch.tensor(actual.grad_norms),
                                torch.tensor(expected.grad_norms), **tol)
+    torch.testing.assert_close(torch.tensor(actual.eval_loss), torch.tensor(expected.eval_loss),
+                               **tol)
     assert actual.params.keys() == expected.params.keys()
     for name, value in expected.params.items():
         torch.testing.assert_close(actual.params[name], value, **tol,

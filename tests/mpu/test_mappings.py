@@ -34,10 +34,12 @@ def _check_collectives(tp: AxisGroup) -> None:
     assert comm.all_reduce(t, tp, op=comm.MAX) is t and t.tolist() == [size - 1.0] * 3
     t = torch.full((3,), float(rank))
     assert comm.broadcast(t, tp, src_index=1).tolist() == [1.0] * 3
-    if rank == 0:
-        comm.send(torch.tensor([7.0, 8.0]), tp, dst_index=1)
-    elif rank == 1:
-        assert comm.recv(torch.empty(2), tp, src_index=0).tolist() == [7.0, 8.0]
+    # Both directions at once between ranks 0 and 1 (a pipeline's steady state).
+    if rank in (0, 1):
+        peer = 1 - rank
+        got = torch.empty(2)
+        comm.exchange([(torch.tensor([7.0, 8.0]) + rank, peer)], [(got, peer)], tp)
+        assert got.tolist() == [7.0 + peer, 8.0 + peer]
 
 
 def _check_counter(tp: AxisGroup) -> None:

@@ -1,0 +1,149 @@
+"""Run one global batch through this rank's pipeline stage by following a schedule.
+
+The schedule (``schedule.py``) says what to do; this module only does it: forward and
+backward on the local stage, and the exchanges with the neighbouring stages. Without
+pipelining (one stage) the 1F1B program is simply forward, backward per micro-batch, so there
+is one code path for every layout.
+
+Activations travel between stages with the same tensor-parallel rank: each TP rank sends its
+own copy. That keeps one deterministic path with no extra collective; under sequence
+parallelism the activations are already split across TP ranks, so nothing is sent twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from megatron3d.errors import ConfigError
+from megatron3d.mpu import comm
+from megatron3d.mpu.state import AxisGroup
+from megatron3d.pipeline.instructions import Backward, Exchange, Forward, Instruction
+from megatron3d.pipeline.schedule import forward_only, schedule_for
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class Batch(Protocol):
+    tokens: torch.Tensor  # [b, s] token ids: the first stage's input
+
+
+LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+"""(last stage's output, micro-batch) -> that micro-batch's mean loss (fp32 scalar)."""
+
+
+class PipelineEngine:
+    """This rank's stage, its neighbours on the ``pp`` axis, and how to run a batch."""
+
+    def __init__(self, stage: nn.Module, pp: AxisGroup, loss_fn: LossFn,
+                 activation_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, schedule: str = "1f1b") -> None:
+        self.stage = stage
+        self.pp = pp
+        self.loss_fn = loss_fn
+        self.shape, self.dtype, self.device = activation_shape, dtype, device
+        self.schedule = schedule
+        self.first = pp.rank == 0
+        self.last = pp.rank == pp.size - 1
+        if pp.size > 1:
+            self._handshake()
+
+    def forward_backward(self, batches: list[Batch], loss_scale: float) -> torch.Tensor:
+        """Accumulate gradients of ``loss_scale * mean(micro-batch losses)``; return the mean
+        loss on the last stage (zero elsewhere), detached, on the device."""
+        program = schedule_for(self.schedule, self.pp.size, self.pp.rank, len(batches))
+        return self._run(program, batches, loss_scale / len(batches))
+
+    def forward_only(self, batches: list[Batch]) -> torch.Tensor:
+        """Mean loss over ``batches`` without gradients (evaluation)."""
+        program = forward_only(self.pp.size, self.pp.rank, len(batches))
+        with torch.no_grad():
+            return self._run(program, batches, 0.0)
+
+    def _run(self, program: list[Instruction], batches: list[Batch],
+             weight: float) -> torch.Tensor:
+        run = _Run(total=torch.zeros((), dtype=torch.float32, device=self.device))
+        for step in program:
+            if isinstance(step, Exchange):
+                self._exchange(step, run)
+            elif isinstance(step, Forward):
+                self._forward(step.micro_batch, batches[step.micro_batch], run, weight)
+            elif isinstance(step, Backward):
+                self._backward(step.micro_batch, run)
+        return run.total / len(batches)
+
+    def _forward(self, mb: int, batch: Batch, run: _Run, weight: float) -> None:
+        x = batch.tokens if self.first else run.inputs[mb]
+        y = self.stage(x)
+        if not self.last:
+            run.outputs[mb] = y  # [s(/tp), b, h]
+            return
+        loss = self.loss_fn(y, batch)
+        run.total += loss.detach()
+        if torch.is_grad_enabled():
+            run.outputs[mb] = loss * weight
+
+    def _backward(self, mb: int, run: _Run) -> None:
+        out = run.outputs.pop(mb)
+        if self.last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, grad_tensors=run.output_grads.pop(mb))
+
+    def _exchange(self, step: Exchange, run: _Run) -> None:
+        sends, recvs, received = [], [], []
+        if step.send_forward is not None:
+            mb = step.send_forward  # training keeps the output for its backward
+            out = run.outputs[mb] if torch.is_grad_enabled() else run.outputs.pop(mb)
+            sends.append((out.detach(), self.pp.rank + 1))
+        if step.send_backward is not None:
+            sends.append((run.inputs.pop(step.send_backward).grad, self.pp.rank - 1))
+        if step.recv_forward is not None:
+            received.append((run.inputs, step.recv_forward, self._buffer()))
+            recvs.append((received[-1][2], self.pp.rank - 1))
+        if step.recv_backward is not None:
+            received.append((run.output_grads, step.recv_backward, self._buffer()))
+            recvs.append((received[-1][2], self.pp.rank + 1))
+        comm.exchange(sends, recvs, self.pp)
+        for store, mb, tensor in received:
+            store[mb] = tensor.requires_grad_(store is run.inputs and torch.is_grad_enabled())
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def _handshake(self) -> None:
+        """Agree once that neighbours send what this stage expects: a launch with mismatched
+        model flags fails here with both shapes instead of hanging or misreading bytes."""
+        mine = self._describe()
+        theirs = torch.empty_like(mine)
+        sends = [] if self.last else [(mine, self.pp.rank + 1)]
+        recvs = [] if self.first else [(theirs, self.pp.rank - 1)]
+        comm.exchange(sends, recvs, self.pp)
+        if not self.first and not torch.equal(mine, theirs):
+            raise ConfigError(
+                f"pipeline stage {self.pp.rank} expects activations {_explain(mine)} but stage "
+                f"{self.pp.rank - 1} sends {_explain(theirs)}: launch every rank with the same "
+                "model, batch and parallel flags")
+
+    def _describe(self) -> torch.Tensor:
+        dims = list(self.shape) + [0] * (6 - len(self.shape))
+        return torch.tensor([len(self.shape), _DTYPES.index(self.dtype), *dims],
+                            dtype=torch.int64, device=self.device)
+
+
+class _Run:
+    """Tensors alive during one batch, keyed by micro-batch."""
+
+    def __init__(self, total: torch.Tensor) -> None:
+        self.total = total  # sum of micro-batch losses (last stage)
+        self.inputs: dict[int, torch.Tensor] = {}  # received activations (grad enabled)
+        self.outputs: dict[int, torch.Tensor] = {}  # stage outputs, or scaled losses
+        self.output_grads: dict[int, torch.Tensor] = {}  # received gradients of outputs
+
+
+def _explain(desc: torch.Tensor) -> str:
+    ndim, dtype = int(desc[0]), _DTYPES[int(desc[1])]
+    return f"{list(desc[2:2 + ndim].tolist())} {str(dtype).removeprefix('torch.')}"

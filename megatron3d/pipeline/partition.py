@@ -1,0 +1,186 @@
+"""Split the model's layer list into contiguous pipeline stages of balanced weight.
+
+A pipeline runs as fast as its slowest stage, so the split minimises the heaviest stage's
+weight exactly. How a layer weighs is the user's choice (``--pp-partition-method``):
+``uniform`` (every layer 1), ``parameters`` (its parameter count) or ``type:REGEX`` (1 for
+layers whose class name matches, else 0, as BLOOM uses ``type:transformer|embedding``).
+
+Rules, in order of priority:
+
+1. Stages are contiguous, non-empty and each carries weight > 0.
+2. The heaviest stage is as light as possible.
+3. Among those splits, stage weights are as even as possible (least sum of squares).
+4. Remaining ties put the heavier stages last: the first stage holds the most in-flight
+   activations under 1F1B, so it is the one to keep light.
+
+A zero-weight layer never decides a boundary: it joins the stage of the weighted layer before
+it (leading ones join the first stage). So BLOOM's embedding norm stays with the embedding and
+the final norm with the last block.
+
+Pure Python, no torch: the same code runs in tools and tests.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import groupby
+
+from megatron3d.errors import ConfigError
+
+_FLAG = "--pp-partition-method"
+_TYPE_PREFIX = "type:"
+_METHOD_FIX = "use uniform, parameters or type:REGEX (a regex matching layer class names)"
+_STAGES_FLAG = "--pipeline-model-parallel-size"
+
+
+def layer_weights(type_names: list[str], param_counts: list[int], method: str) -> list[int]:
+    """The weight of every layer under ``method`` (see the module docstring)."""
+    assert len(type_names) == len(param_counts), "one parameter count per layer"
+    if method == "uniform":
+        return [1] * len(type_names)
+    if method == "parameters":
+        return list(param_counts)
+    if method.startswith(_TYPE_PREFIX):
+        pattern = _type_pattern(method)
+        return [1 if pattern.search(name) else 0 for name in type_names]
+    raise ConfigError(f"unknown pipeline partition method ({_FLAG}={method}): {_METHOD_FIX}")
+
+
+def _type_pattern(method: str) -> re.Pattern[str]:
+    """The compiled, case-insensitive regex of a ``type:REGEX`` method."""
+    source = method[len(_TYPE_PREFIX):]
+    if not source:
+        raise ConfigError(f"empty regex in the partition method ({_FLAG}={method}): "
+                          f"{_METHOD_FIX}")
+    try:
+        return re.compile(source, re.IGNORECASE)
+    except re.error as err:
+        raise ConfigError(f"invalid regex in the partition method ({err}) ({_FLAG}={method}): "
+                          f"{_METHOD_FIX}") from None
+
+
+def partition(weights: list[int], num_stages: int) -> list[int]:
+    """Stage boundaries: stage ``i`` owns layers ``[bounds[i], bounds[i + 1])``.
+
+    ``len(bounds) == num_stages + 1``, ``bounds[0] == 0``, ``bounds[-1] == len(weights)``.
+    """
+    assert all(w >= 0 for w in weights), "layer weights are never negative"
+    weighted = [i for i, w in enumerate(weights) if w > 0]
+    _check_stage_count(num_stages, len(weighted), "layers have weight > 0")
+    unit_weights = [weights[i] for i in weighted]
+    cuts = _even_cuts(unit_weights, num_stages, _min_bottleneck(unit_weights, num_stages))
+    # Unit j (a weighted layer and the zero-weight layers after it) starts at weighted[j];
+    # the first unit also takes the leading zero-weight layers.
+    return [0] + [weighted[c] for c in cuts[1:-1]] + [len(weights)]
+
+
+def partition_layers(type_names: list[str], param_counts: list[int], num_stages: int,
+                     method: str) -> list[int]:
+    """Stage boundaries of the layer list under ``method`` (``layer_weights`` + ``partition``)."""
+    weights = layer_weights(type_names, param_counts, method)
+    weighted = sum(1 for w in weights if w > 0)
+    _check_stage_count(num_stages, weighted, _weighted_phrase(method, len(weights)))
+    return partition(weights, num_stages)
+
+
+def _weighted_phrase(method: str, num_layers: int) -> str:
+    """How to say which layers count, for the too-many-stages message."""
+    if method.startswith(_TYPE_PREFIX):
+        return f"of {num_layers} layers match {method}"
+    if method == "parameters":
+        return f"of {num_layers} layers have parameters"
+    return "layers"
+
+
+def _check_stage_count(num_stages: int, num_weighted: int, weighted_phrase: str) -> None:
+    """Every stage needs at least one weighted layer to own."""
+    if num_stages < 1:
+        raise ConfigError(f"the pipeline needs at least one stage ({_STAGES_FLAG}="
+                          f"{num_stages}): use a size >= 1")
+    if num_stages > num_weighted:
+        raise ConfigError(
+            f"{num_stages} pipeline stages but only {num_weighted} {weighted_phrase}, so some "
+            f"stage would get no work ({_STAGES_FLAG}={num_stages}): lower "
+            f"{_STAGES_FLAG} or change {_FLAG}")
+
+
+def _min_bottleneck(weights: list[int], num_stages: int) -> int:
+    """The least possible heaviest-stage weight (binary search over a greedy packing)."""
+    low = max(max(weights), -(-sum(weights) // num_stages))
+    high = sum(weights)
+    while low < high:
+        mid = (low + high) // 2
+        if _greedy_stage_count(weights, mid) <= num_stages:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def _greedy_stage_count(weights: list[int], limit: int) -> int:
+    """Fewest contiguous groups with weight <= ``limit`` each (every weight <= limit)."""
+    count, load = 1, 0
+    for w in weights:
+        if load + w > limit:
+            count, load = count + 1, 0
+        load += w
+    return count
+
+
+def _even_cuts(weights: list[int], num_stages: int, limit: int) -> list[int]:
+    """Group boundaries over ``weights`` (all > 0): every group <= ``limit``, least sum of
+    squares, ties broken towards a larger last group (so heavier stages come last).
+
+    Dynamic programme over (groups, prefix length); a group's span is cut short as soon as it
+    exceeds ``limit``, which keeps it near O(n^2) in practice.
+    """
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    cost: list[list[int | None]] = [[None] * (n + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    cost[0][0] = 0
+    for groups in range(1, num_stages + 1):
+        # Leave at least one unit for each later group.
+        for end in range(groups, n - (num_stages - groups) + 1):
+            best, best_start = _best_last_group(cost[groups - 1], prefix, groups, end, limit)
+            cost[groups][end], choice[groups][end] = best, best_start
+    assert cost[num_stages][n] is not None, "the bottleneck was feasible"
+    cuts = [n]
+    for groups in range(num_stages, 0, -1):
+        cuts.append(choice[groups][cuts[-1]])
+    return cuts[::-1]
+
+
+def _best_last_group(previous: list[int | None], prefix: list[int], groups: int, end: int,
+                     limit: int) -> tuple[int | None, int]:
+    """Cheapest start of the group ending at ``end``; on ties the earliest start wins."""
+    best: int | None = None
+    best_start = 0
+    for start in range(end - 1, groups - 2, -1):
+        load = prefix[end] - prefix[start]
+        if load > limit:
+            break
+        before = previous[start]
+        if before is not None and (best is None or before + load * load <= best):
+            best, best_start = before + load * load, start
+    return best, best_start
+
+
+def format_partition_table(bounds: list[int], type_names: list[str],
+                           param_counts: list[int]) -> str:
+    """One line per stage (stage, layer range, layer types, parameters), for the start log."""
+    lines = [f"{'stage':>5}  {'layers':<11}  {'parameters':>15}  types"]
+    for stage, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        span = f"{start}-{end - 1}" if end - start > 1 else f"{start}"
+        params = sum(param_counts[start:end])
+        types = _compress_names(type_names[start:end])
+        lines.append(f"{stage:>5}  {span:<11}  {params:>15,}  {types}")
+    return "\n".join(lines)
+
+
+def _compress_names(names: list[str]) -> str:
+    """``[A, B, C, C, C]`` -> ``"A, B, C x3"``: runs of one type shown once with a count."""
+    runs = [(name, len(list(group))) for name, group in groupby(names)]
+    return ", ".join(f"{name} x{count}" if count > 1 else name for name, count in runs)

@@ -1,0 +1,34 @@
+"""Weights shared by layers on different pipeline stages (tied input/output embeddings).
+
+Each stage holding a tied weight owns a copy. The copies start equal (the first stage's copy
+is broadcast), get the same gradient every step (the copies' gradients are all-reduced over
+the embedding group before clipping and the optimizer), and so stay bitwise identical. Only
+the first stage counts the weight in the gradient norm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron3d.mpu import comm
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.state import AxisGroup
+
+
+class TiedWeights:
+    """The tied parameters of this stage and the group that shares them (may be empty)."""
+
+    def __init__(self, params: list[nn.Parameter], embedding: AxisGroup) -> None:
+        shared = embedding.is_member and embedding.size > 1
+        self.params = [p for p in params if shared and get_meta(p).tied_key is not None]
+        self.embedding = embedding
+
+    def broadcast_from_first_stage(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                comm.broadcast(p.data, self.embedding, src_index=0)
+
+    def all_reduce_grads(self) -> None:
+        """Sum the copies' gradients (call after backward, before the optimizer)."""
+        comm.all_reduce_coalesced([p.main_grad for p in self.params], self.embedding)

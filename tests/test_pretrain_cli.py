@@ -1,0 +1,78 @@
+"""pretrain_gpt.main as a launcher sees it: ``--print-topology`` prints the rank table on rank 0
+only and exits 0 without joining a process group or training; a world size that TP x PP does
+not divide exits 2 with one line on stderr, before anything starts.
+
+The launcher environment (WORLD_SIZE, RANK) is set with monkeypatch, so ``main`` runs in this
+process exactly as it would under torchrun, minus the processes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch.distributed as dist
+
+import pretrain_gpt
+from tests.helpers.tiny import train_argv
+
+ROW = re.compile(r"^ *(\d+) +(\d+) +(\d+) +(\d+)$")
+
+
+def _launched_as(monkeypatch: pytest.MonkeyPatch, world_size: int, rank: int) -> None:
+    """Pretend torchrun started this process; make any attempt to start training fail loudly."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+
+    def must_not_run(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("--print-topology must exit before initialising or training")
+
+    monkeypatch.setattr(pretrain_gpt.devices, "init_process_group", must_not_run)
+    monkeypatch.setattr(pretrain_gpt, "build_trainer", must_not_run)
+
+
+def _argv(tp: int, pp: int = 1, *extra: str) -> list[str]:
+    return train_argv("gpt2", 10, "--tensor-model-parallel-size", str(tp),
+                      "--pipeline-model-parallel-size", str(pp), *extra)
+
+
+def _megatron_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) from rank = pp_rank*dp*tp + dp_rank*tp + tp_rank."""
+    return rank % tp, rank // tp % dp, rank // (tp * dp)
+
+
+@pytest.mark.parametrize(("world", "tp", "pp"), [(2, 2, 1), (4, 4, 1), (16, 2, 2), (8, 1, 4)])
+def test_print_topology_prints_the_rank_table_and_exits(monkeypatch, capsys, world, tp, pp):
+    """A planning aid: any valid 3D layout prints, even ones this version cannot train yet."""
+    _launched_as(monkeypatch, world_size=world, rank=0)
+    assert pretrain_gpt.main(_argv(tp, pp, "--print-topology")) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    dp = world // (tp * pp)
+    assert lines[0].startswith(f"world {world} = tp {tp} x dp {dp} x pp {pp}")
+    assert lines[1].split() == ["rank", "tp", "dp", "pp"]
+    rows = [tuple(int(v) for v in m.groups()) for m in map(ROW.match, lines) if m]
+    assert rows == [(r, *_megatron_coords(r, tp, dp)) for r in range(world)]
+    groups = " ".join(str(list(range(g * tp, (g + 1) * tp))) for g in range(world // tp))
+    assert f"tp groups: {groups}" in lines
+    assert not any("iteration" in line for line in lines)
+    assert not dist.is_initialized()
+
+
+def test_print_topology_is_silent_off_rank_0(monkeypatch, capsys):
+    _launched_as(monkeypatch, world_size=4, rank=1)
+    assert pretrain_gpt.main(_argv(4, 1, "--print-topology")) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("world_size,tp", [(3, 2), (6, 4)])
+def test_world_size_not_divisible_by_tp_x_pp_exits_2(monkeypatch, capsys, world_size, tp):
+    _launched_as(monkeypatch, world_size=world_size, rank=0)
+    assert pretrain_gpt.main(_argv(tp, 1, "--print-topology")) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("error: ")
+    assert f"world size {world_size}" in err and "--tensor-model-parallel-size" in err

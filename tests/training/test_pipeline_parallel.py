@@ -1,0 +1,92 @@
+"""PP (and PP x TP) trains the same model as one process: per-step losses, grad norms and
+final parameters; tied embedding copies stay bitwise identical."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import assert_same_run, merge_ranks, train, train_single
+from tests.helpers.tiny import train_argv
+from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
+
+STEPS = 10
+COMMON = ("--clip-grad", "0.5", *EQUIVALENCE_FLAGS)
+
+
+def _argv(flavour: str, layers: int, *extra: str, steps: int = STEPS) -> list[str]:
+    return train_argv(flavour, steps, *COMMON, "--num-layers", str(layers), *extra)
+
+
+@functools.cache
+def _reference(flavour: str, layers: int, extra: tuple[str, ...] = ()):
+    return train_single(_argv(flavour, layers, *extra))
+
+
+def _runs(cases: list[tuple[str, int, tuple[str, ...]]]) -> list:
+    """One rank of a parallel run: every case in turn, so one spawn serves them all."""
+    return [train(_argv(flavour, layers, *extra)) for flavour, layers, extra in cases]
+
+
+def _check(world: int, cases: list[tuple[str, int, tuple[str, ...]]],
+           reference_extra: tuple[str, ...] = ()) -> None:
+    per_rank = run_distributed(_runs, world, cases)
+    for i, (flavour, layers, extra) in enumerate(cases):
+        merged = merge_ranks([rank_results[i] for rank_results in per_rank])
+        try:
+            assert_same_run(merged, _reference(flavour, layers, reference_extra), FP32)
+        except AssertionError as err:
+            raise AssertionError(f"{flavour}, {layers} layers, {extra}: {err}") from err
+
+
+def test_pp2_uniform_tied_and_untied_with_and_without_recompute():
+    pp2 = ("--pipeline-model-parallel-size", "2", "--pp-partition-method", "uniform")
+    _check(2, [("gpt2", 2, pp2), ("llama", 2, pp2), ("bloom", 2, pp2)])
+    rc = ("--checkpoint-activations",)
+    _check(2, [("gpt2", 2, (*pp2, *rc))], reference_extra=rc)
+
+
+def test_pp4_uniform_and_pp4_embeddings_alone():
+    """PP=4 uniform over 4 blocks; PP=4 with 2 blocks and type:transformer|embedding puts the
+    embedding alone on the first stage and the head alone on the last."""
+    _check(4, [
+        ("gpt2", 4, ("--pipeline-model-parallel-size", "4", "--pp-partition-method", "uniform")),
+        ("bloom", 2, ("--pipeline-model-parallel-size", "4", "--pp-partition-method",
+                      "type:transformer|embedding")),
+    ])
+
+
+def test_pp3_transformer_embedding_partition():
+    _check(3, [("gpt2", 4, ("--pipeline-model-parallel-size", "3", "--pp-partition-method",
+                            "type:transformer|embedding"))])
+
+
+def test_pp2_tp2():
+    _check(4, [("gpt2", 2, ("--pipeline-model-parallel-size", "2",
+                            "--tensor-model-parallel-size", "2", "--pp-partition-method",
+                            "uniform")),
+               ("llama", 2, ("--pipeline-model-parallel-size", "2",
+                             "--tensor-model-parallel-size", "2", "--sequence-parallel"))])
+
+
+def _tied_copies(steps: int):
+    result = train(_argv("bloom", 2, "--pipeline-model-parallel-size", "2",
+                         "--hidden-dropout", "0.1", steps=steps))
+    return result.params.get("embedding.word_embeddings.weight")
+
+
+def test_tied_embedding_copies_stay_bitwise_identical():
+    first, last = run_distributed(_tied_copies, 2, 20)
+    assert first is not None and last is not None
+    assert torch.equal(first, last)
+    assert not torch.equal(first, _reference("bloom", 2).params[
+        "embedding.word_embeddings.weight"])  # it trained (20 steps with dropout)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe"])
+def test_gpipe_schedule(schedule):
+    _check(2, [("gpt2", 2, ("--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                            schedule, "--global-batch-size", "8"))])
