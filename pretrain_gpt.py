@@ -13,11 +13,14 @@ import torch.distributed as dist
 
 from megatron3d import device as devices
 from megatron3d.arguments import format_config, parse_args
+from megatron3d.config import TrainConfig
 from megatron3d.errors import Megatron3dError
 from megatron3d.log import get_logger, setup_logging
 from megatron3d.mpu.state import ParallelState
 from megatron3d.mpu.topology import Topology
-from megatron3d.training.build import build_trainer
+from megatron3d.training.batch_schedule import BatchSchedule
+from megatron3d.training.build import build_trainer, run_length, valid_samples
+from megatron3d.training.data_setup import dry_run
 from megatron3d.validation import validate
 
 logger = get_logger("pretrain_gpt")
@@ -34,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(table + "\n")
             return 0
         validate(cfg, env.world_size)
+        if cfg.data.dry_run_data:
+            sys.stdout.write(_dry_run(cfg, env.world_size) + "\n")
+            return 0
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
@@ -56,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _dry_run(cfg: TrainConfig, world_size: int) -> str:
+    """What --data-path would draw from each source over this run, without training."""
+    schedule = BatchSchedule.from_config(cfg.training, cfg.parallel.data_parallel_size(world_size))
+    _, samples = run_length(cfg, schedule)
+    return dry_run(cfg, samples, valid_samples(cfg, schedule))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ setup(
         "pyyaml",
         "sentencepiece",
         "tensorboard",
+        "tqdm",
     ],
     extras_require={
         "test": ["pytest>=7"],

@@ -48,7 +48,7 @@ class FieldSpec:
     kind: type  # int, float, str or bool; the element type for tuples
     optional: bool  # None is a valid value (meaning "unset, use the documented default")
     choices: tuple[str, ...] | None
-    nargs: int | None
+    nargs: int | str | None  # a count, "+" for one or more, None for a single value
     default: Any
     help: str
 
@@ -67,12 +67,16 @@ class FieldSpec:
         """How the flag is written on a command line, e.g. ``--rampup-batch-size INT INT INT``."""
         if self.kind is bool:
             return self.flag
+        if self.nargs == "+":
+            return f"{self.flag} {self.metavar} [{self.metavar} ...]"
         return " ".join([self.flag] + [self.metavar] * (self.nargs or 1))
 
     @property
     def expected(self) -> str:
         if self.choices:
             return "one of " + ", ".join(self.choices)
+        if self.nargs == "+":
+            return f"one or more values, each {_EXPECTED[self.kind]}"
         if self.nargs:
             return f"{self.nargs} values, each {_EXPECTED[self.kind]}"
         return _EXPECTED[self.kind]
@@ -93,6 +97,8 @@ def _field_spec(section: str, field: dataclasses.Field, annotation: Any) -> Fiel
     if typing.get_origin(inner) is Literal:
         choices = typing.get_args(inner)
         kind = type(choices[0])
+    elif typing.get_origin(inner) is tuple and typing.get_args(inner)[-1] is Ellipsis:
+        kind, nargs = typing.get_args(inner)[0], "+"
     elif typing.get_origin(inner) is tuple:
         elements = typing.get_args(inner)
         kind, nargs = elements[0], field.metadata.get("nargs", len(elements))
@@ -149,9 +155,12 @@ def coerce(spec: FieldSpec, value: Any, source: str) -> Any:
     if value is None and spec.optional:
         return None
     try:
+        if spec.nargs == "+" and isinstance(value, str):  # YAML: "0.3 a 0.7 b"
+            value = value.split()
         if spec.nargs is None:
             result = _convert(spec.kind, value)
-        elif isinstance(value, list | tuple) and len(value) == spec.nargs:
+        elif isinstance(value, list | tuple) and value and (
+                spec.nargs == "+" or len(value) == spec.nargs):
             result = tuple(_convert(spec.kind, item) for item in value)
         else:
             raise ValueError(value)

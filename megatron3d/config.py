@@ -94,6 +94,8 @@ class ParallelConfig:
     zero_stage: int = _opt(0, "ZeRO stage for data parallelism (0, 1 or 3).")
     pp_partition_method: str = _opt(
         "parameters", "Pipeline partitioning: uniform, parameters or type:REGEX.")
+    reduce_bucket_size: int = _opt(
+        500_000_000, "Elements per data-parallel gradient bucket (reduced as backward runs).")
     pipeline_schedule: Literal["1f1b", "gpipe"] = _opt(
         "1f1b", "Pipeline schedule: 1f1b (at most PP micro-batches in flight) or gpipe.")
     sequence_parallel: bool = _opt(
@@ -169,11 +171,37 @@ class PrecisionConfig:
         return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
 
 
+TokenizerType = Literal["SentencePieceTokenizer", "PretrainedFromHF", "GPT2BPETokenizer",
+                        "NullTokenizer"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where training samples come from."""
+    """Where training samples come from: Megatron .bin/.idx datasets, or mock data."""
 
     mock_data: bool = _opt(False, "Synthetic Markov-chain tokens; needs --vocab-size.")
+    data_path: tuple[str, ...] | None = _opt(
+        None, "Dataset prefix without .bin/.idx (e.g. data/corpus_text_document), or "
+        "'W1 P1 W2 P2 ...' weight-prefix pairs blended by sampling proportion.")
+    data_path_file: str | None = _opt(
+        None, "File holding the --data-path words (for long blends); '#' starts a comment.")
+    data_impl: Literal["mmap"] = _opt(
+        "mmap", "Dataset format; the memory-mapped .bin/.idx format is the one supported.")
+    split: str = _opt("969, 30, 1", "Train, valid, test shares of each dataset's documents.")
+    tokenizer_type: TokenizerType | None = _opt(
+        None, "Tokenizer the data was made with; its vocabulary sizes the model.")
+    tokenizer_model: str | None = _opt(None, "SentencePiece model file (SentencePieceTokenizer).")
+    vocab_file: str | None = _opt(None, "GPT-2 vocab.json (GPT2BPETokenizer).")
+    merge_file: str | None = _opt(None, "GPT-2 merges.txt (GPT2BPETokenizer).")
+    tokenizer_name_or_path: str | None = _opt(
+        None, "Local Hugging Face tokenizer directory or tokenizer.json (PretrainedFromHF); "
+        "never downloaded.")
+    data_cache_path: str | None = _opt(
+        None, "Directory for dataset index caches; default index-cache beside the first dataset.")
+    dry_run_data: bool = _opt(
+        False, "Print each source's weight, samples drawn and implied epochs, then exit.")
+    eod_mask_loss: bool = _opt(
+        False, "No loss on positions whose input token is end-of-document.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +212,9 @@ class LoggingConfig:
     tensorboard_dir: str | None = _opt(None, "Write TensorBoard event files here.")
     peak_tflops: float | None = _opt(
         None, "Device peak TFLOP/s for MFU; default known for A100/H100.")
+    memory_report: bool = _opt(
+        False, "After the first step, print each rank's measured parameter, gradient and "
+        "optimizer-state bytes (and the device's allocated bytes).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -73,6 +73,11 @@ def peak_tflops(dev: torch.device) -> float | None:
     return next((v for k, v in _PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+def allocated_bytes() -> int | None:
+    """Bytes the accelerator's allocator holds now, or None on CPU."""
+    return torch.cuda.memory_allocated() if accelerator_available() else None
+
+
 def describe(dev: torch.device) -> str:
     """One line naming the machine, printed by benchmarks next to their ratios."""
     if dev.type == "cuda":

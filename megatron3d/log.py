@@ -15,11 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 _HANDLER_TAG = "_megatron3d_handler"
+EVERY_RANK = "megatron3d.every_rank"
 
 
 def get_logger(name: str) -> logging.Logger:
     """Logger for a module; call with ``__name__``."""
     return logging.getLogger(name)
+
+
+def every_rank_logger() -> logging.Logger:
+    """INFO from every rank, each line prefixed with its rank (per-rank reports)."""
+    return logging.getLogger(EVERY_RANK)
 
 
 class _RankFormatter(logging.Formatter):
@@ -31,6 +37,8 @@ class _RankFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         message = super().format(record)
+        if record.name == EVERY_RANK:
+            return "\n".join(f"[rank {self._rank}] {line}" for line in message.splitlines())
         if record.levelno < logging.WARNING:
             return message
         return f"[rank {self._rank}] {record.levelname} {record.name}: {message}"
@@ -49,6 +57,7 @@ def setup_logging(rank: int, log_rank: int, level: str | int = "INFO") -> None:
     if not isinstance(wanted, int):
         raise ValueError(f"unknown log level {level!r}")
     root.setLevel(wanted if rank == log_rank else max(wanted, logging.WARNING))
+    every_rank_logger().setLevel(wanted)
     formatter = _RankFormatter(rank)
     out = logging.StreamHandler(sys.stdout)
     out.addFilter(lambda record: record.levelno < logging.WARNING)

@@ -97,7 +97,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_warmup(values)
     _check_layout(cfg, world_size)
     _check_batch(cfg, world_size)
-    _check_implemented(cfg, world_size)
+    _check_implemented(cfg)
 
 
 def _check_required(values: dict[str, Any]) -> None:
@@ -116,16 +116,45 @@ def _check_required(values: dict[str, Any]) -> None:
 
 
 def _check_data(values: dict[str, Any]) -> None:
-    if not values["mock_data"]:
+    sources = {n: values[n] for n in ("mock_data", "data_path", "data_path_file") if values[n]}
+    if len(sources) != 1:
         raise _error(
-            "no training data source", {"mock_data": False},
-            "pass --mock-data; real datasets (--data-path) are not supported yet",
+            "give exactly one training data source", sources or {"mock_data": False},
+            "pass one of --mock-data, --data-path PREFIX or --data-path-file FILE",
         )
-    if values["vocab_size"] is None:
-        raise _error(
-            "--mock-data needs a vocabulary size", {"vocab_size": None},
-            "pass --vocab-size, e.g. --vocab-size 50257",
-        )
+    if values["mock_data"]:
+        for name in ("tokenizer_type", "eod_mask_loss", "dry_run_data"):
+            if values[name]:
+                raise _error(f"--mock-data has no tokenizer, so {flag(name)} does not apply",
+                             {name: values[name]}, f"drop {flag(name)} or use --data-path")
+        if values["vocab_size"] is None:
+            raise _error("--mock-data needs a vocabulary size", {"vocab_size": None},
+                         "pass --vocab-size, e.g. --vocab-size 50257")
+        return
+    _check_tokenizer(values)
+
+
+_TOKENIZER_FILES = {
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "PretrainedFromHF": ("tokenizer_name_or_path",),
+    "NullTokenizer": ("vocab_size",),
+}
+
+
+def _check_tokenizer(values: dict[str, Any]) -> None:
+    kind = values["tokenizer_type"]
+    if kind is None:
+        raise _error("real data needs the tokenizer it was made with", {"tokenizer_type": None},
+                     f"pass --tokenizer-type (one of {', '.join(_TOKENIZER_FILES)})")
+    for name in _TOKENIZER_FILES[kind]:
+        if values[name] is None:
+            raise _error(f"{kind} needs {flag(name)}", {name: None, "tokenizer_type": kind},
+                         f"pass {flag(name)}")
+    if kind != "NullTokenizer" and values["vocab_size"] is not None:
+        raise _error("the tokenizer sets the vocabulary size", {
+            "vocab_size": values["vocab_size"], "tokenizer_type": kind},
+            "drop --vocab-size (--make-vocab-size-divisible-by controls the padding)")
 
 
 def _check_each(
@@ -316,21 +345,9 @@ def _nearest_multiples(value: int, unit: int) -> str:
     return f"{below} or {below + unit}" if below else str(unit)
 
 
-def _check_implemented(cfg: TrainConfig, world_size: int) -> None:
-    """Valid settings this version cannot run yet; delete each line when the feature lands."""
-    parallel = cfg.parallel
-    dp = parallel.data_parallel_size(world_size)
-    if dp > 1:  # gradients are not yet reduced across data-parallel ranks
-        raise ConfigError(f"data parallelism is not supported yet (world size {world_size} "
-                          f"gives data-parallel size {dp}): launch exactly TP x PP processes")
-    # field name -> (feature, the only value supported for now)
-    not_yet = {
-        "zero_stage": ("ZeRO", 0),
-    }
-    for name, (feature, supported) in not_yet.items():
-        value = getattr(parallel, name)
-        if value != supported:
-            raise _error(
-                f"{feature} is not supported yet", {name: value},
-                f"run with {flag(name)} {supported} for now",
-            )
+def _check_implemented(cfg: TrainConfig) -> None:
+    """Valid settings this version cannot run yet; delete each check when the feature lands."""
+    stage = cfg.parallel.zero_stage
+    if stage == 3:
+        raise _error("ZeRO stage 3 is not supported yet", {"zero_stage": stage},
+                     "use --zero-stage 1 (sharded optimizer state) or 0 for now")

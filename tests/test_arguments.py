@@ -52,6 +52,8 @@ def _sample(spec) -> tuple[list[str], object]:
         return [], True
     if spec.choices:
         return [spec.choices[-1]], spec.choices[-1]
+    if spec.nargs == "+":
+        return ["0.3", "a", "0.7", "b"], ("0.3", "a", "0.7", "b")
     if spec.nargs:
         return ["1", "2", "3"], (1, 2, 3)
     return {int: (["7"], 7), float: (["0.25"], 0.25), str: (["x/y"], "x/y")}[spec.kind]
@@ -112,7 +114,8 @@ def test_help_exits_zero_and_lists_grouped_flags(capsys):
         (["--num-layer", "24"], ["--num-layer=24", "did you mean --num-layers?"]),
         (["--num_layers", "24"], ["--num_layers=24", "did you mean --num-layers?"]),
         (["--hiden-size=8"], ["--hiden-size=8", "did you mean --hidden-size?"]),
-        (["--tokenizer-type", "GPT2BPETokenizer"], ["--tokenizer-type", "--help"]),
+        (["--data-imp", "mmap"], ["--data-imp=mmap", "did you mean --data-impl?"]),
+        (["--data-impl", "lazy"], ["--data-impl='lazy'", "mmap"]),
         (["--num-layers", "2", "3"], ["unexpected value", "'3'"]),
         (["--lr"], ["--lr", "expected one argument", "--lr FLOAT"]),
         (["--lr", "--bf16"], ["--lr", "expected one argument"]),

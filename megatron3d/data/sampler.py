@@ -31,14 +31,20 @@ class MicroBatch:
 
 def micro_batches(dataset: TokenDataset, consumed: int, global_batch_size: int,
                   micro_batch_size: int, dp_rank: int, dp_size: int,
-                  device: torch.device) -> list[MicroBatch]:
-    """This rank's micro-batches of the global batch that starts at ``consumed``."""
+                  device: torch.device, eod: int | None = None) -> list[MicroBatch]:
+    """This rank's micro-batches of the global batch that starts at ``consumed``.
+
+    With ``eod``, positions whose input token is end-of-document get no loss
+    (``--eod-mask-loss``: do not learn to predict across a document boundary)."""
     per_rank = global_batch_size // dp_size
     samples = dataset.samples(consumed + dp_rank * per_rank, per_rank)
     samples = samples.to(device, non_blocking=True)  # [gbs/dp, s+1]
     result = []
     for chunk in samples.split(micro_batch_size):
         tokens, labels = chunk[:, :-1], chunk[:, 1:]
-        mask = torch.ones(labels.shape, dtype=torch.float32, device=device)
+        if eod is None:
+            mask = torch.ones(labels.shape, dtype=torch.float32, device=device)
+        else:
+            mask = (tokens != eod).to(torch.float32)
         result.append(MicroBatch(tokens=tokens, labels=labels, loss_mask=mask))
     return result

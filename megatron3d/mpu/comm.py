@@ -106,6 +106,34 @@ def reduce_scatter(t: torch.Tensor, axis: AxisGroup, dim: int,
     return out.movedim(0, dim)
 
 
+def start_all_reduce(t: torch.Tensor, axis: AxisGroup) -> dist.Work | None:
+    """Begin summing flat ``t`` in place over the axis; wait on the returned work (None when
+    there is nothing to do). For overlapping gradient reduction with backward."""
+    if axis.size == 1:
+        return None
+    _check(axis, "all_reduce", t)
+    return dist.all_reduce(t, group=axis.group, async_op=True)
+
+
+def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor,
+                         axis: AxisGroup) -> dist.Work | None:
+    """Begin summing flat ``t`` over the axis into ``out`` (this rank's 1/size chunk)."""
+    if axis.size == 1:
+        out.copy_(t)
+        return None
+    _check(axis, "reduce_scatter", t)
+    return _reduce_scatter_single(out, t, group=axis.group, async_op=True)
+
+
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup) -> None:
+    """Concatenate every rank's flat ``t`` into ``out`` (``t`` must not alias ``out``)."""
+    if axis.size == 1:
+        out.copy_(t)
+        return
+    _check(axis, "all_gather", t)
+    _all_gather_single(out, t, group=axis.group)
+
+
 def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
     """Copy the ``src_index``-th member's ``t`` to every member, in place; returns ``t``."""
     if axis.size == 1:

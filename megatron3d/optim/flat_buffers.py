@@ -1,16 +1,20 @@
 """Contiguous buffers behind the model's parameters and their fp32 gradients.
 
 Every parameter becomes a view into one flat buffer of the model dtype, and its gradient
-(``param.main_grad``) a view into one flat fp32 buffer with the same layout. The optimizer,
-clipping, zeroing and (later) data-parallel reduction then work on a few large tensors instead
-of hundreds of small ones, and ZeRO shards the same flat layout across ranks.
+(``param.main_grad``) a view into one flat fp32 buffer with the same layout. Zeroing,
+clipping, data-parallel reduction and ZeRO sharding then work on a few large tensors.
 
 fp32 models: ``param.grad`` *is* the main_grad view, so autograd accumulates micro-batches in
 place with no copy. bf16/fp16 models: a post-accumulate hook adds each low-precision gradient
 into the fp32 main_grad and frees it, so accumulation across micro-batches happens in fp32.
 
-The layout is grouped into segments by (counted in the grad norm, weight decay): counted
-parameters come first, so the counted gradients are one prefix of the grad buffer.
+Layout: parameters in backward order (the reverse of the model's order), cut into buckets of
+about ``bucket_numel`` elements so a bucket's data-parallel reduction can start while
+backward is still running. Each bucket is padded to a multiple of ``align`` (the DP size) so
+ZeRO can give every rank an equal slice of it. Tied parameters (shared across pipeline
+stages) get their own first bucket, so every stage holding a copy lays it out identically and
+the copies' ZeRO slices line up. Segments are runs of parameters with the same weight decay
+and norm counting; they never cross a bucket.
 """
 
 from __future__ import annotations
@@ -35,6 +39,19 @@ class Segment:
     names: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """A padded range of the buffers reduced as one collective."""
+
+    start: int
+    end: int
+    params: tuple[nn.Parameter, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
 def _add_into_main_grad(param: torch.Tensor) -> None:
     param.main_grad.add_(param.grad)
     param.grad = None
@@ -48,35 +65,35 @@ class FlatBuffers:
     """
 
     def __init__(self, params: list[nn.Parameter],
-                 counted: Callable[[nn.Parameter], bool] = lambda p: True) -> None:
+                 counted: Callable[[nn.Parameter], bool] = lambda p: True,
+                 bucket_numel: int | None = None, align: int = 1) -> None:
         dtypes = {p.dtype for p in params}
         assert len(dtypes) == 1, f"one parameter dtype per model, got {dtypes}"
         self.params_dtype = dtypes.pop()
+        self.buckets = _plan_buckets(params, bucket_numel, align)
+        total = self.buckets[-1].end if self.buckets else 0
         device = params[0].device
-        ordered = sorted(params, key=lambda p: (not counted(p), get_meta(p).no_weight_decay))
-        total = sum(p.numel() for p in ordered)
-        self.params = torch.empty(total, dtype=self.params_dtype, device=device)
+        self.params = torch.zeros(total, dtype=self.params_dtype, device=device)
         self.grads = torch.zeros(total, dtype=torch.float32, device=device)
-        self.segments = self._attach(ordered, counted)
-        self.counted_numel = sum(s.end - s.start for s in self.segments if s.counted)
+        self.segments: list[Segment] = []
+        for bucket in self.buckets:
+            self._attach(bucket, counted)
 
-    def _attach(self, ordered: list[nn.Parameter],
-                counted: Callable[[nn.Parameter], bool]) -> list[Segment]:
-        segments: list[Segment] = []
-        offset, seg_start, seg_key, seg_names = 0, 0, None, []
-        for p in ordered:
+    def _attach(self, bucket: Bucket, counted: Callable[[nn.Parameter], bool]) -> None:
+        offset, run_start, run_key, run_names = bucket.start, bucket.start, None, []
+        for p in bucket.params:
             key = (counted(p), get_meta(p).no_weight_decay)
-            if key != seg_key and seg_names:
-                segments.append(Segment(seg_start, offset, seg_key[1], seg_key[0],
-                                        tuple(seg_names)))
-                seg_start, seg_names = offset, []
-            seg_key = key
-            seg_names.append(get_meta(p).name)
+            if key != run_key and run_names:
+                self.segments.append(Segment(run_start, offset, run_key[1], run_key[0],
+                                             tuple(run_names)))
+                run_start, run_names = offset, []
+            run_key = key
+            run_names.append(get_meta(p).name)
             self._bind(p, offset)
             offset += p.numel()
-        if seg_names:
-            segments.append(Segment(seg_start, offset, seg_key[1], seg_key[0], tuple(seg_names)))
-        return segments
+        if run_names:
+            self.segments.append(Segment(run_start, offset, run_key[1], run_key[0],
+                                         tuple(run_names)))
 
     def _bind(self, p: nn.Parameter, offset: int) -> None:
         view = self.params[offset:offset + p.numel()].view_as(p)
@@ -91,7 +108,33 @@ class FlatBuffers:
     def zero_grad(self) -> None:
         self.grads.zero_()
 
-    @property
-    def counted_grads(self) -> torch.Tensor:
-        """The prefix of the grad buffer this rank counts in the global norm."""
-        return self.grads[: self.counted_numel]
+    def offset_of(self, param: nn.Parameter) -> int:
+        """Where ``param`` starts in the flat buffers."""
+        return (param.main_grad.data_ptr() - self.grads.data_ptr()) // self.grads.element_size()
+
+
+def _plan_buckets(params: list[nn.Parameter], bucket_numel: int | None,
+                  align: int) -> list[Bucket]:
+    """Tied parameters first (alone), then the rest in backward order, cut near
+    ``bucket_numel`` elements at parameter boundaries; every bucket padded to ``align``."""
+    tied = [p for p in params if get_meta(p).tied_key is not None]
+    rest = [p for p in reversed(params) if get_meta(p).tied_key is None]
+    groups = [[p] for p in tied]
+    limit = bucket_numel or sum(p.numel() for p in rest) or 1
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in rest:
+        current.append(p)
+        size += p.numel()
+        if size >= limit:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    buckets, start = [], 0
+    for group in groups:
+        size = sum(p.numel() for p in group)
+        padded = -(-size // align) * align
+        buckets.append(Bucket(start, start + padded, tuple(group)))
+        start += padded
+    return buckets

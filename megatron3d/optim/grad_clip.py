@@ -1,9 +1,9 @@
 """Global gradient norm, zero count and clipping, all kept on the device.
 
-Each rank measures the gradients it counts (see ``FlatBuffers``); the squared norm and the
-zero count are summed over the given axes (model-parallel ranks, ZeRO shards), so every rank
-gets the norm of the whole logical model. Clipping multiplies by min(1, max/norm) on the
-device, so no host sync is needed.
+Each rank measures the gradients it counts (see ``FlatBuffers``/``Shard``); the squared norm
+and the zero count are summed over the given axes (model-parallel ranks, ZeRO shards), so
+every rank gets the norm of the whole logical model. Clipping multiplies by min(1, max/norm)
+on the device, so no host sync is needed.
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ class GradStats:
     num_zeros: torch.Tensor  # fp32 scalar
 
 
-def grad_stats(counted: torch.Tensor, axes: list[AxisGroup]) -> GradStats:
+def grad_stats(counted: list[torch.Tensor], axes: list[AxisGroup],
+               device: torch.device) -> GradStats:
     """Norm and zero count of the gradients counted on this rank, summed over ``axes``."""
-    sq = torch.linalg.vector_norm(counted, dtype=torch.float32).square()
-    zeros = (counted.numel() - torch.count_nonzero(counted)).to(torch.float32)
-    both = torch.stack([sq, zeros])
+    both = torch.zeros(2, dtype=torch.float32, device=device)
+    if counted:
+        norms = torch._foreach_norm(counted)
+        both[0] = torch.stack(norms).square().sum()
+        numel = sum(g.numel() for g in counted)
+        both[1] = numel - torch.stack([torch.count_nonzero(g) for g in counted]).sum()
     for axis in axes:
         both = comm.all_reduce(both, axis)
     return GradStats(norm=both[0].sqrt(), num_zeros=both[1])

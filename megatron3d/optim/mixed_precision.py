@@ -1,23 +1,27 @@
 """The optimizer the training step talks to: fp32 master weights, clipping, loss scaling.
 
-fp32 model: the master weights are the model's own flat buffer (no copy). bf16/fp16 model: an
-fp32 master copy is updated and then copied back into the low-precision parameters in one
-flat copy. Gradients always arrive in the fp32 grad buffer (see ``FlatBuffers``).
+It updates the ``Shard`` of the flat buffers this rank owns (everything without ZeRO, a 1/DP
+slice with ZeRO-1). fp32 model: the master weights are the model's own flat buffer (no copy).
+bf16/fp16 model: an fp32 master copy of the shard is updated and copied back into the
+low-precision parameters. ``gather_params`` then brings the other ranks' updated slices
+(ZeRO-1's all-gather; nothing without ZeRO).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from megatron3d import kernels
 from megatron3d.config import OptimizerConfig, PrecisionConfig
+from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
-from megatron3d.optim.flat_buffers import FlatBuffers
 from megatron3d.optim.grad_clip import clip_, grad_stats
 from megatron3d.optim.loss_scaler import LossScaler
 from megatron3d.optim.optimizer import param_groups
+from megatron3d.optim.shard import Shard
 
 
 @dataclass(frozen=True)
@@ -31,18 +35,38 @@ class StepStats:
 
 
 class MixedPrecisionOptimizer:
-    def __init__(self, buffers: FlatBuffers, optim: OptimizerConfig,
-                 precision: PrecisionConfig, norm_axes: list[AxisGroup]) -> None:
-        self.buffers = buffers
+    def __init__(self, shard: Shard, optim: OptimizerConfig, precision: PrecisionConfig,
+                 norm_axes: list[AxisGroup],
+                 gather_params: Callable[[], None] = lambda: None,
+                 replica_axes: list[AxisGroup] = ()) -> None:
+        """``norm_axes``: where the counted gradients are spread (model-parallel ranks, and
+        DP under ZeRO-1). ``replica_axes``: ranks holding copies of the same gradients (DP
+        without ZeRO); the fp16 skip decision is agreed over them too, so a replica that
+        overflows alone cannot step differently from the others."""
+        self.shard = shard
+        self.buffers = shard.buffers
         self.clip_grad = optim.clip_grad
         self.norm_axes = norm_axes
-        low_precision = buffers.params_dtype != torch.float32
-        self.master = buffers.params.float() if low_precision else buffers.params
-        self.groups = param_groups(buffers, self.master, optim.weight_decay)
+        self.replica_axes = list(replica_axes)
+        self.gather_params = gather_params
+        self.master = None  # fp32 models update their own parameters
+        if self.buffers.params_dtype != torch.float32:
+            self.master = torch.empty(shard.numel, dtype=torch.float32,
+                                      device=shard.grads.device)
+            for piece in shard.pieces:
+                self._master_part(piece.start, piece.end, piece.local).copy_(
+                    self.buffers.params[piece.start:piece.end])
+        self.groups = param_groups(shard, self._master_part, optim.weight_decay)
         self.inner = kernels.adamw(self.groups, lr=0.0, betas=(optim.adam_beta1,
                                    optim.adam_beta2), eps=optim.adam_eps)
         self.scaler = LossScaler.from_config(precision) if precision.fp16 else None
-        self._not_skipped = torch.zeros((), device=buffers.grads.device)
+        self._counted = shard.counted_grads()
+        self._not_skipped = torch.zeros((), device=shard.grads.device)
+
+    def _master_part(self, start: int, end: int, local: int) -> torch.Tensor:
+        if self.master is None:
+            return self.buffers.params[start:end]
+        return self.master[local:local + end - start]
 
     @property
     def loss_scale(self) -> float:
@@ -51,15 +75,29 @@ class MixedPrecisionOptimizer:
     def zero_grad(self) -> None:
         self.buffers.zero_grad()
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: fp32 master copy and Adam moments."""
+        master = 0 if self.master is None else self.master.numel() * 4
+        moments = sum(t.numel() * t.element_size() for state in self.inner.state.values()
+                      for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        return master + moments
+
+    def _overflow_anywhere(self, norm: torch.Tensor) -> bool:
+        """Whether any rank's gradients hold an inf/NaN (the one fp16 host sync per step)."""
+        flag = (~torch.isfinite(norm)).float().reshape(1)
+        for axis in self.replica_axes:
+            flag = comm.all_reduce(flag, axis, op=comm.MAX)
+        return bool(flag)
+
     def step(self, lr: float) -> StepStats:
         """Unscale, measure, clip and apply the accumulated gradients at learning rate lr."""
-        grads = self.buffers.grads
+        grads = self.shard.grads
         scale = self.loss_scale
         if scale != 1.0:
             grads.mul_(1.0 / scale)
-        stats = grad_stats(self.buffers.counted_grads, self.norm_axes)
+        stats = grad_stats(self._counted, self.norm_axes, grads.device)
         if self.scaler is not None:
-            found_inf = not bool(torch.isfinite(stats.norm))  # the one fp16 host sync
+            found_inf = self._overflow_anywhere(stats.norm)
             self.scaler.update(found_inf)
             if found_inf:
                 return StepStats(stats.norm, stats.num_zeros, self._not_skipped + 1.0, scale)
@@ -67,6 +105,9 @@ class MixedPrecisionOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
-        if self.master is not self.buffers.params:
-            self.buffers.params.copy_(self.master)
+        if self.master is not None:
+            for piece in self.shard.pieces:
+                self.buffers.params[piece.start:piece.end].copy_(
+                    self._master_part(piece.start, piece.end, piece.local))
+        self.gather_params()
         return StepStats(stats.norm, stats.num_zeros, self._not_skipped, scale)

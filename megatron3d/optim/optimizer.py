@@ -1,33 +1,38 @@
 """AdamW parameter groups built from per-parameter metadata, and their start-up table.
 
 Weight decay is decided by ``ParamMeta.no_weight_decay`` (every bias and every normalisation
-weight, whatever module created it), never by class checks. Groups are flat slices of the
-fp32 master buffer, one per ``FlatBuffers`` segment.
+weight, whatever module created it), never by class checks. The optimizer sees flat slices:
+one per segment part this rank updates, each a view of the fp32 master weights whose
+``.grad`` is the matching view of the local fp32 gradients.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from megatron3d.optim.flat_buffers import FlatBuffers
+from megatron3d.optim.shard import Shard
+
+MasterView = Callable[[int, int, int], torch.Tensor]
+"""(flat_start, flat_end, local_start) -> the fp32 master weights of that range."""
 
 
-def param_groups(buffers: FlatBuffers, master: torch.Tensor,
-                 weight_decay: float) -> list[dict]:
-    """One AdamW group per segment: a flat fp32 master slice whose ``.grad`` is the matching
-    slice of the fp32 grad buffer."""
-    groups = []
-    for seg in buffers.segments:
-        flat = nn.Parameter(master[seg.start:seg.end])
-        flat.grad = buffers.grads[seg.start:seg.end]
-        groups.append({"params": [flat], "weight_decay": 0.0 if seg.no_weight_decay
-                       else weight_decay, "names": seg.names})
-    return groups
+def param_groups(shard: Shard, master: MasterView, weight_decay: float) -> list[dict]:
+    """Two AdamW groups (decay, no decay) of flat master slices with their gradients."""
+    groups = {False: {"params": [], "weight_decay": weight_decay, "names": set()},
+              True: {"params": [], "weight_decay": 0.0, "names": set()}}
+    for seg, lo, hi, local in shard.segment_parts():
+        flat = nn.Parameter(master(lo, hi, local))
+        flat.grad = shard.grads[local:local + hi - lo]
+        groups[seg.no_weight_decay]["params"].append(flat)
+        groups[seg.no_weight_decay]["names"].update(seg.names)
+    return [g for g in groups.values() if g["params"]]
 
 
 def format_param_groups(groups: list[dict], weight_decay: float) -> str:
-    """The table printed once at start: decay setting, tensor count, elements, names."""
+    """The table printed once at start: decay setting, tensor count, names."""
     decay = sorted(n for g in groups if g["weight_decay"] for n in g["names"])
     no_decay = sorted(n for g in groups if not g["weight_decay"] for n in g["names"])
     lines = ["optimizer parameter groups:",

@@ -51,10 +51,17 @@ class PipelineEngine:
         if pp.size > 1:
             self._handshake()
 
-    def forward_backward(self, batches: list[Batch], loss_scale: float) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch], loss_scale: float,
+                         before_last_backward: Callable[[], None] | None = None,
+                         ) -> torch.Tensor:
         """Accumulate gradients of ``loss_scale * mean(micro-batch losses)``; return the mean
-        loss on the last stage (zero elsewhere), detached, on the device."""
+        loss on the last stage (zero elsewhere), detached, on the device.
+        ``before_last_backward`` runs just before the backward that makes gradients final
+        (data-parallel reduction starts from there, overlapping that backward)."""
         program = schedule_for(self.schedule, self.pp.size, self.pp.rank, len(batches))
+        if before_last_backward is not None:
+            last = max(i for i, step in enumerate(program) if isinstance(step, Backward))
+            program.insert(last, _Call(before_last_backward))
         return self._run(program, batches, loss_scale / len(batches))
 
     def forward_only(self, batches: list[Batch]) -> torch.Tensor:
@@ -63,7 +70,7 @@ class PipelineEngine:
         with torch.no_grad():
             return self._run(program, batches, 0.0)
 
-    def _run(self, program: list[Instruction], batches: list[Batch],
+    def _run(self, program: list[Instruction | _Call], batches: list[Batch],
              weight: float) -> torch.Tensor:
         run = _Run(total=torch.zeros((), dtype=torch.float32, device=self.device))
         for step in program:
@@ -73,6 +80,8 @@ class PipelineEngine:
                 self._forward(step.micro_batch, batches[step.micro_batch], run, weight)
             elif isinstance(step, Backward):
                 self._backward(step.micro_batch, run)
+            else:
+                step.fn()
         return run.total / len(batches)
 
     def _forward(self, mb: int, batch: Batch, run: _Run, weight: float) -> None:
@@ -132,6 +141,13 @@ class PipelineEngine:
         dims = list(self.shape) + [0] * (6 - len(self.shape))
         return torch.tensor([len(self.shape), _DTYPES.index(self.dtype), *dims],
                             dtype=torch.int64, device=self.device)
+
+
+class _Call:
+    """A host-side callback spliced into a program (not part of any schedule)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
 
 
 class _Run:

@@ -1,9 +1,9 @@
 """Weights shared by layers on different pipeline stages (tied input/output embeddings).
 
 Each stage holding a tied weight owns a copy. The copies start equal (the first stage's copy
-is broadcast), get the same gradient every step (the copies' gradients are all-reduced over
-the embedding group before clipping and the optimizer), and so stay bitwise identical. Only
-the first stage counts the weight in the gradient norm.
+is broadcast), get the same gradient every step (the training step all-reduces the copies'
+gradients over ``embedding`` before clipping and the optimizer), and so stay bitwise
+identical. Only the first stage counts the weight in the gradient norm.
 """
 
 from __future__ import annotations
@@ -28,7 +28,3 @@ class TiedWeights:
         with torch.no_grad():
             for p in self.params:
                 comm.broadcast(p.data, self.embedding, src_index=0)
-
-    def all_reduce_grads(self) -> None:
-        """Sum the copies' gradients (call after backward, before the optimizer)."""
-        comm.all_reduce_coalesced([p.main_grad for p in self.params], self.embedding)

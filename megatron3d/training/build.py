@@ -7,38 +7,39 @@ and the step, batch and LR schedules, data, and the logging rank's TensorBoard w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch import nn
 
 from megatron3d.config import TrainConfig
-from megatron3d.data.mock import MockGPTDataset
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.log import TensorBoardWriter, get_logger
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss
-from megatron3d.mpu import comm
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.replicas import check_tp_replicas
-from megatron3d.mpu.state import AxisGroup, ParallelState
+from megatron3d.mpu.state import ParallelState
 from megatron3d.optim.flat_buffers import FlatBuffers
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.optim.optimizer import format_param_groups
+from megatron3d.optim.shard import Shard
 from megatron3d.pipeline.engine import PipelineEngine
 from megatron3d.pipeline.partition import format_partition_table, partition_layers
 from megatron3d.pipeline.spec import build_stage
 from megatron3d.pipeline.tied import TiedWeights
+from megatron3d.training import memory
 from megatron3d.training.batch_schedule import BatchSchedule
+from megatron3d.training.data_setup import build_run_data
+from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Trainer
+from megatron3d.zero.ddp import GradReducer
+from megatron3d.zero.stage1 import gather_params, zero1_shard
 
 logger = get_logger(__name__)
-
-VALID_SAMPLE_OFFSET = 2**48
-"""Validation samples of the mock dataset start here: same distribution, disjoint samples."""
-
 
 def logging_rank(state: ParallelState) -> int:
     """The last rank: it holds the loss (last pipeline stage) and writes logs and TensorBoard."""
@@ -46,6 +47,11 @@ def logging_rank(state: ParallelState) -> int:
 
 
 def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> Trainer:
+    schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
+    total_iters, train_samples = run_length(cfg, schedule)
+    data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                             vocab_size=data.vocab_size))
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev,
                        RNGStreams.create(cfg.training.seed, state.tp.rank, dev),
@@ -56,27 +62,26 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> 
     tied.broadcast_from_first_stage()
     check_replicas = functools.partial(check_tp_replicas, params, state.tp)
     check_replicas()
-    optimizer = build_optimizer(cfg, state, engine.stage)
-    schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
-    total_iters, train_samples = _run_length(cfg, schedule)
+    optimizer = build_optimizer(cfg, state, params)
+    reducer = GradReducer(optimizer.buffers, optimizer.shard, state.dp)
+    grad_sync = GradSync(params, optimizer.shard, reducer, tied, state)
     lr_schedule = LRSchedule.from_config(cfg.optimizer, cfg.lr_schedule, train_samples,
                                          schedule.global_batch_size,
                                          iteration_based=cfg.training.train_iters is not None)
-    dataset = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed)
-    batches = functools.partial(_batches, dataset, cfg.training.micro_batch_size, state, dev)
+    batches = functools.partial(_batches, data.train, data.eod, cfg.training.micro_batch_size,
+                                state, dev)
+    valid = functools.partial(_batches, data.valid, data.eod, cfg.training.micro_batch_size,
+                              state, dev)
     logger.info("model: %s parameters on this rank", f"{sum(p.numel() for p in params):,}")
     return Trainer(
         cfg=cfg, engine=engine, optimizer=optimizer, train_batches=batches,
-        valid_batches=lambda i: batches(VALID_SAMPLE_OFFSET + i * schedule.global_batch_size,
-                                        schedule.global_batch_size),
+        valid_batches=lambda i: valid(i * schedule.global_batch_size,
+                                      schedule.global_batch_size),
         batch_schedule=schedule, lr_schedule=lr_schedule, total_iters=total_iters,
         world_size=state.world_size, padded_vocab_size=ctx.padded_vocab_size, device=dev,
         writer=TensorBoardWriter(cfg.logging.tensorboard_dir,
                                  enabled=state.world_rank == logging_rank(state)),
-        check_replicas=check_replicas,
-        sync_grads=functools.partial(
-            _sync_grads, [p.main_grad for p in params if get_meta(p).sequence_parallel],
-            state.tp, tied))
+        check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp)
 
 
 def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext) -> PipelineEngine:
@@ -95,8 +100,9 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext) -> P
 
 
 def build_optimizer(cfg: TrainConfig, state: ParallelState,
-                    model: nn.Module) -> MixedPrecisionOptimizer:
-    """Flat buffers over the stage's parameters, and the optimizer over them."""
+                    params: list[nn.Parameter]) -> MixedPrecisionOptimizer:
+    """Flat buffers over the stage's parameters, this rank's shard of them (all of them
+    without ZeRO) and the optimizer over that shard."""
     def counted(p: nn.Parameter) -> bool:
         """Count each logical parameter once in the grad norm: TP replicas on TP rank 0,
         tied copies on the first pipeline stage."""
@@ -105,21 +111,32 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState,
             return False
         return meta.tp_split_dim is not None or state.tp.rank == 0
 
-    buffers = FlatBuffers(list(model.parameters()), counted=counted)
-    optimizer = MixedPrecisionOptimizer(buffers, cfg.optimizer, cfg.precision,
-                                        norm_axes=[state.mp])
+    zero1 = cfg.parallel.zero_stage == 1
+    buffers = FlatBuffers(params, counted=counted, bucket_numel=cfg.parallel.reduce_bucket_size,
+                          align=state.dp.size if zero1 else 1)
+    if zero1:
+        shard = zero1_shard(buffers, state.dp)
+        optimizer = MixedPrecisionOptimizer(
+            shard, cfg.optimizer, cfg.precision, norm_axes=[state.mp, state.dp],
+            gather_params=functools.partial(gather_params, shard, state.dp))
+    else:
+        optimizer = MixedPrecisionOptimizer(Shard.whole(buffers), cfg.optimizer,
+                                            cfg.precision, norm_axes=[state.mp],
+                                            replica_axes=[state.dp])
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
+    logger.info(memory.report(
+        f"memory of rank {state.world_rank} (ZeRO-{cfg.parallel.zero_stage}, DP={state.dp.size}):",
+        memory.analytic(sum(p.numel() for p in params), params[0].element_size(),
+                        cfg.parallel.zero_stage, state.dp.size)))
     return optimizer
 
 
-def _sync_grads(sequence_parallel_grads: list[torch.Tensor], tp: AxisGroup,
-                tied: TiedWeights) -> None:
-    """Reductions between backward and the optimizer step."""
-    comm.all_reduce_coalesced(sequence_parallel_grads, tp)
-    tied.all_reduce_grads()
+def valid_samples(cfg: TrainConfig, schedule: BatchSchedule) -> int:
+    """Samples one evaluation reads (the same ones at every evaluation)."""
+    return cfg.training.eval_iters * schedule.global_batch_size
 
 
-def _run_length(cfg: TrainConfig, schedule: BatchSchedule) -> tuple[int, int]:
+def run_length(cfg: TrainConfig, schedule: BatchSchedule) -> tuple[int, int]:
     """(iterations, samples) of the whole run from --train-iters or --train-samples."""
     if cfg.training.train_iters is not None:
         return cfg.training.train_iters, schedule.samples_for_iters(cfg.training.train_iters)
@@ -127,7 +144,8 @@ def _run_length(cfg: TrainConfig, schedule: BatchSchedule) -> tuple[int, int]:
     return schedule.iters_for_samples(samples), samples
 
 
-def _batches(dataset: TokenDataset, micro_batch_size: int, state: ParallelState,
-             dev: torch.device, consumed: int, gbs: int) -> list[MicroBatch]:
+def _batches(dataset: TokenDataset, eod: int | None, micro_batch_size: int,
+             state: ParallelState, dev: torch.device, consumed: int,
+             gbs: int) -> list[MicroBatch]:
     return micro_batches(dataset, consumed, gbs, micro_batch_size, state.dp.rank, state.dp.size,
-                         dev)
+                         dev, eod)

@@ -5,17 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.engine import Batch, PipelineEngine
+from megatron3d.zero.ddp import average_over
 
 
 def evaluate(engine: PipelineEngine, batches_for: Callable[[int], list[Batch]],
-             num_iters: int) -> float:
+             num_iters: int, dp: AxisGroup) -> float:
     """Mean loss over ``num_iters`` validation global batches, meaningful on the last stage
     (one host sync at the end)."""
     engine.stage.eval()
     total = sum(engine.forward_only(batches_for(i)) for i in range(num_iters))
     engine.stage.train()
-    return float(total) / num_iters
+    return float(average_over(total, dp)) / num_iters
 
 
 def format_eval_line(iteration: int, loss: float) -> str:

@@ -16,14 +16,23 @@ import torch
 from megatron3d import device as devices
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch
-from megatron3d.log import IterationStats, TensorBoardWriter, format_iteration_line, get_logger
+from megatron3d.log import (
+    IterationStats,
+    TensorBoardWriter,
+    every_rank_logger,
+    format_iteration_line,
+    get_logger,
+)
+from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.pipeline.engine import PipelineEngine
+from megatron3d.training import memory
 from megatron3d.training import metrics as m
 from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.evaluate import evaluate, format_eval_line
 from megatron3d.training.flops import FlopsCount, flops_per_iteration, throughput
+from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.step import StepResult, train_step
 
 logger = get_logger(__name__)
@@ -65,7 +74,8 @@ class Trainer:
     device: torch.device
     writer: TensorBoardWriter
     check_replicas: Callable[[], None]  # raises if TP-replicated parameters drifted
-    sync_grads: Callable[[], None]  # reductions between backward and the optimizer step
+    grad_sync: GradSync  # reductions between backward and the optimizer step
+    dp: AxisGroup
     progress: Progress = field(default_factory=Progress)
     on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
 
@@ -81,6 +91,8 @@ class Trainer:
             it = self.progress.iteration
             if self.on_step is not None:
                 self.on_step(it, result)
+            if it == 1 and self.cfg.logging.memory_report:
+                self._memory_report()
             if it % self.cfg.logging.log_interval == 0:
                 self._log(metrics.collect(), interval, lr, gbs)
                 interval = _Interval()
@@ -97,7 +109,7 @@ class Trainer:
         gbs = self.batch_schedule.global_batch_size_at(consumed)
         lr = self.lr_schedule.lr_at(consumed)
         result = train_step(self.engine, self.optimizer, self.train_batches(consumed, gbs), lr,
-                            self.sync_grads)
+                            self.grad_sync, self.dp)
         self.progress.iteration += 1
         self.progress.consumed_samples += gbs
         self.progress.consumed_tokens += gbs * self.cfg.model.seq_length
@@ -129,10 +141,18 @@ class Trainer:
         logger.info(format_iteration_line(stats))
         self.writer.write_iteration(stats, self.progress.iteration)
 
+    def _memory_report(self) -> None:
+        opt, cfg = self.optimizer, self.cfg.parallel
+        expected = memory.analytic(sum(p.numel() for p in self.engine.stage.parameters()),
+                                   opt.buffers.params.element_size(), cfg.zero_stage,
+                                   self.dp.size)
+        every_rank_logger().info(memory.report("memory after the first step:", expected,
+                                               memory.measured(opt)))
+
     def _peak_tflops(self) -> float | None:
         return self.cfg.logging.peak_tflops or devices.peak_tflops(self.device)
 
     def _evaluate(self) -> None:
-        loss = evaluate(self.engine, self.valid_batches, self.cfg.training.eval_iters)
+        loss = evaluate(self.engine, self.valid_batches, self.cfg.training.eval_iters, self.dp)
         logger.info(format_eval_line(self.progress.iteration, loss))
         self.writer.write_eval(loss, self.progress.iteration)

@@ -43,7 +43,7 @@ def train(argv: list[str]) -> RunResult:
     trainer.run()
     params = {get_meta(p).name: gather_logical(p, state.tp).clone()
               for p in trainer.engine.stage.parameters()}
-    eval_loss = evaluate(trainer.engine, trainer.valid_batches, 1)
+    eval_loss = evaluate(trainer.engine, trainer.valid_batches, 1, state.dp)
     return RunResult([x.item() for x in losses], [x.item() for x in norms], params, eval_loss,
                      last_stage=state.is_last_stage)
 

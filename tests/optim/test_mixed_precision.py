@@ -11,6 +11,7 @@ from megatron3d.config import OptimizerConfig, PrecisionConfig
 from megatron3d.mpu.meta import ParamMeta, set_meta
 from megatron3d.optim.flat_buffers import FlatBuffers
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+from megatron3d.optim.shard import Shard
 
 
 class Tiny(nn.Module):
@@ -29,7 +30,8 @@ class Tiny(nn.Module):
 def _optimizer(model, clip=1.0, **precision):
     buffers = FlatBuffers(list(model.parameters()))
     cfg = OptimizerConfig(lr=0.01, weight_decay=0.1, clip_grad=clip)
-    return MixedPrecisionOptimizer(buffers, cfg, PrecisionConfig(**precision), norm_axes=[])
+    return MixedPrecisionOptimizer(Shard.whole(buffers), cfg, PrecisionConfig(**precision),
+                                   norm_axes=[])
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])
@@ -58,7 +60,7 @@ def test_fp32_matches_torch_adamw_with_clipping(clip):
 def test_fp32_gradients_accumulate_in_place_in_the_flat_buffer():
     model = Tiny()
     opt = _optimizer(model)
-    assert opt.master is opt.buffers.params  # no master copy in fp32
+    assert opt.master is None  # fp32: the parameters are the master weights
     model(torch.ones(2, 4)).backward()
     assert model.weight.grad.data_ptr() == model.weight.main_grad.data_ptr()
     assert opt.buffers.grads.abs().sum() > 0
@@ -88,6 +90,7 @@ def test_bf16_master_weights_are_fp32_and_copied_back():
     model(torch.ones(2, 4, dtype=torch.bfloat16)).backward()
     opt.step(lr=0.01)
     assert torch.equal(opt.buffers.params, opt.master.to(torch.bfloat16))
+    assert opt.state_bytes() == 12 * (8 * 4 + 8)  # fp32 master + two fp32 moments
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():

@@ -8,13 +8,20 @@ from megatron3d.model.gpt import gpt_layer_specs
 from megatron3d.mpu.meta import get_meta
 from megatron3d.optim.flat_buffers import FlatBuffers
 from megatron3d.optim.optimizer import format_param_groups, param_groups
+from megatron3d.optim.shard import Shard
 from megatron3d.pipeline.spec import LayerSpec, build_stage
 from tests.helpers.tiny import layer_context, model_config
 
 
-def _groups(model):
+def _whole(model):
     buffers = FlatBuffers(list(model.parameters()))
-    groups = param_groups(buffers, buffers.params, weight_decay=0.1)
+    shard = Shard.whole(buffers)
+    return buffers, shard, lambda start, end, local: buffers.params[start:end]
+
+
+def _groups(model):
+    _, shard, master = _whole(model)
+    groups = param_groups(shard, master, weight_decay=0.1)
     decay = {n for g in groups if g["weight_decay"] for n in g["names"]}
     no_decay = {n for g in groups if not g["weight_decay"] for n in g["names"]}
     return groups, decay, no_decay
@@ -50,8 +57,8 @@ def test_decay_is_applied_only_to_the_decay_group():
     ctx = layer_context(model_config("gpt2"))
     specs = gpt_layer_specs(ctx)
     model = build_stage(specs, 0, len(specs))
-    buffers = FlatBuffers(list(model.parameters()))
-    groups = param_groups(buffers, buffers.params, weight_decay=0.5)
+    buffers, shard, master = _whole(model)
+    groups = param_groups(shard, master, weight_decay=0.5)
     opt = torch.optim.AdamW(groups, lr=0.1)
     before = buffers.params.clone()
     buffers.zero_grad()  # zero gradients: only weight decay moves parameters

@@ -1,0 +1,197 @@
+"""From data flags to train/valid/test datasets: the one entry point training calls.
+
+Parses ``--data-path`` (one prefix, or weight-prefix pairs) or ``--data-path-file``, cuts
+every source into train/valid/test document ranges by ``--split``, and builds a
+``GPTDataset`` per (source, split), blended when there are several sources. Takes plain
+arguments so it needs nothing but the flag values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron3d.data.blended_dataset import (
+    BlendedDataset,
+    SourceReport,
+    blending_index,
+    cached_blending_index,
+    draws_per_source,
+    normalise_weights,
+)
+from megatron3d.data.gpt_dataset import GPTDataset
+from megatron3d.data.index_cache import IndexCache
+from megatron3d.data.indexed_dataset import IndexedDataset
+from megatron3d.errors import ConfigError
+from megatron3d.log import get_logger
+
+logger = get_logger(__name__)
+
+SPLITS = ("train", "valid", "test")
+DEFAULT_SPLIT = "969, 30, 1"
+
+
+@dataclass(frozen=True)
+class DataSources:
+    """Dataset prefixes and their normalised sampling weights."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class SplitDatasets:
+    """The three splits; a split is ``None`` when it gets no documents or no samples."""
+
+    train: GPTDataset | BlendedDataset | None
+    valid: GPTDataset | BlendedDataset | None
+    test: GPTDataset | BlendedDataset | None
+
+
+def parse_data_path(data_path: Sequence[str] | str | None,
+                    data_path_file: str | None = None) -> DataSources:
+    """``PATH`` or ``W1 P1 W2 P2 ...`` from the flag, or the same words from a file.
+
+    In a ``--data-path-file``, words are separated by any whitespace and ``#`` starts a comment.
+    """
+    if (data_path is None) == (data_path_file is None):
+        raise ConfigError("give exactly one of --data-path and --data-path-file "
+                          f"(got --data-path={data_path!r}, --data-path-file={data_path_file!r})")
+    if data_path_file is not None:
+        try:
+            with open(data_path_file) as f:
+                words = [w for line in f for w in line.split("#", 1)[0].split()]
+        except OSError as exc:
+            raise ConfigError(f"cannot read --data-path-file {data_path_file!r} "
+                              f"({exc.strerror}); give an existing file") from None
+        where = f"in --data-path-file {data_path_file}"
+    else:
+        words = data_path.split() if isinstance(data_path, str) else \
+            [w for item in data_path for w in str(item).split()]
+        where = "in --data-path"
+    if len(words) == 1:
+        return DataSources((words[0],), (1.0,))
+    pairs = list(zip(words[0::2], words[1::2], strict=False))
+    if len(words) % 2 or not words or not all(_is_number(w) for w, _ in pairs):
+        raise ConfigError(f"invalid dataset list {where}: {' '.join(words)!r}; write one "
+                          "prefix, or weight-prefix pairs such as '0.3 data/a 0.7 data/b'")
+    weights = normalise_weights([float(w) for w, _ in pairs])
+    return DataSources(tuple(p for _, p in pairs), tuple(float(x) for x in weights))
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """``"969, 30, 1"`` or ``"949/50/1"`` -> fractions of (train, valid, test)."""
+    try:
+        parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ConfigError(f"invalid --split {split!r}: expected up to three non-negative "
+                          "weights for train, valid, test, e.g. '969, 30, 1'")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return (parts[0] / total, parts[1] / total, parts[2] / total)
+
+
+def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[range]:
+    """Consecutive document ranges, one per fraction; boundaries are rounded cumulative sums."""
+    bounds = [0] + [round(c * num_documents) for c in np.cumsum(fractions)]
+    bounds[-1] = num_documents
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def default_cache_dir(sources: DataSources) -> str:
+    """``index-cache`` beside the first dataset, as Megatron keeps its indices by the data."""
+    return os.path.join(os.path.dirname(os.path.abspath(sources.prefixes[0])), "index-cache")
+
+
+def eval_sample_counts(train_iters: int, eval_interval: int, eval_iters: int,
+                       global_batch_size: int) -> tuple[int, int]:
+    """(valid, test) samples as Megatron sizes them: every evaluation gets fresh samples."""
+    valid_iters = (train_iters // eval_interval + 1) * eval_iters
+    return valid_iters * global_batch_size, eval_iters * global_batch_size
+
+
+def build_datasets(*, data_path: Sequence[str] | str | None, seq_length: int, seed: int,
+                   train_samples: int, valid_samples: int = 0, test_samples: int = 0,
+                   data_path_file: str | None = None, split: str = DEFAULT_SPLIT,
+                   data_cache_path: str | None = None, vocab_size: int | None = None,
+                   cache_timeout_s: float = 1800.0) -> SplitDatasets:
+    """Train/valid/test datasets holding at least the requested numbers of samples.
+
+    Every rank calls this; index caches missing from ``data_cache_path`` (default
+    ``index-cache`` beside the first dataset) are built by one process while the others
+    wait up to ``cache_timeout_s``. ``vocab_size`` enables the per-batch token-range check.
+    """
+    sources = parse_data_path(data_path, data_path_file)
+    datasets = [IndexedDataset(p) for p in sources.prefixes]
+    ranges = [split_ranges(len(ds), parse_split(split)) for ds in datasets]
+    cache = IndexCache(data_cache_path or default_cache_dir(sources), timeout_s=cache_timeout_s)
+    logger.info("building datasets: %d train, %d valid, %d test samples of %d tokens, seed %d, "
+                "split %r, index cache %s", train_samples, valid_samples, test_samples,
+                seq_length, seed, split, cache.directory)
+    built = []
+    for i, (name, wanted) in enumerate(zip(SPLITS, (train_samples, valid_samples, test_samples),
+                                           strict=True)):
+        split_docs = [r[i] for r in ranges]
+        if name == "train" and wanted > 0 and all(len(r) == 0 for r in split_docs):
+            raise ConfigError(f"--split {split!r} gives the train split none of the "
+                              f"{len(datasets[0])} documents of {sources.prefixes[0]}; give "
+                              "train a larger share")
+        if wanted <= 0 or all(len(r) == 0 for r in split_docs):
+            logger.info(" > %s: not built (%d samples wanted, %d documents)", name, wanted,
+                        sum(len(r) for r in split_docs))
+            built.append(None)
+            continue
+        def make(d: int, count: int, docs: list[range] = split_docs,
+                 name: str = name) -> GPTDataset:
+            return GPTDataset(datasets[d], docs[d], name=name, seq_length=seq_length,
+                              num_samples=count, seed=seed, cache=cache, vocab_size=vocab_size)
+        if len(datasets) == 1:
+            built.append(make(0, wanted))
+            continue
+        blend = cached_blending_index(sources.weights, wanted, name, cache)
+        counts = draws_per_source(blend, len(datasets))
+        built.append(BlendedDataset([make(d, int(c)) if c else None
+                                     for d, c in enumerate(counts)], blend))
+    return SplitDatasets(*built)
+
+
+def dry_run_report(*, data_path: Sequence[str] | str | None, seq_length: int,
+                   train_samples: int, valid_samples: int = 0, test_samples: int = 0,
+                   data_path_file: str | None = None,
+                   split: str = DEFAULT_SPLIT) -> dict[str, list[SourceReport]]:
+    """Per split and source: weight, samples drawn and implied epochs. Writes no files."""
+    sources = parse_data_path(data_path, data_path_file)
+    datasets = [IndexedDataset(p) for p in sources.prefixes]
+    ranges = [split_ranges(len(ds), parse_split(split)) for ds in datasets]
+    report = {}
+    for i, (name, wanted) in enumerate(zip(SPLITS, (train_samples, valid_samples, test_samples),
+                                           strict=True)):
+        if all(len(r[i]) == 0 for r in ranges):
+            counts = np.zeros(len(datasets), dtype=np.int64)  # not built: no documents
+        elif len(datasets) == 1:
+            counts = np.array([wanted])
+        else:
+            counts = draws_per_source(blending_index(sources.weights, wanted), len(datasets))
+        rows = []
+        for d, ds in enumerate(datasets):
+            docs = ranges[d][i]
+            tokens = int(ds.sizes[docs.start:docs.stop].sum(dtype=np.int64))
+            epochs = counts[d] * seq_length / tokens if tokens else (
+                float("inf") if counts[d] else 0.0)
+            rows.append(SourceReport(ds.prefix, sources.weights[d], int(counts[d]), len(docs),
+                                     tokens, float(epochs)))
+        report[name] = rows
+    return report

@@ -1,0 +1,100 @@
+"""A GPT dataset: fixed-length samples over one document range of one indexed dataset.
+
+Sample ``i`` is a pure function of (data, document range, seq_length, seed, epochs, i), so
+``samples(consumed, n)`` gives exact resume and the same global batch on every layout. The
+index arrays (see ``sample_index``) are cached through ``IndexCache``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+
+import numpy as np
+import torch
+
+from megatron3d.data.index_cache import IndexCache, dataset_identity
+from megatron3d.data.indexed_dataset import IndexedDataset
+from megatron3d.data.sample_index import (
+    FORMAT_VERSION,
+    SampleIndex,
+    build_sample_index,
+    gather_samples,
+    num_epochs_for,
+    samples_in_epochs,
+)
+from megatron3d.errors import DataError
+from megatron3d.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class GPTDataset:
+    """Samples of ``seq_length + 1`` tokens from documents ``[first, last)`` of ``indexed``.
+
+    Holds at least ``num_samples`` samples (every sample of the whole epochs they need).
+    ``name`` ("train", "valid", "test") names the split in logs and the cache, and salts the
+    seed, so two splits of one dataset are shuffled independently. ``vocab_size``, when given,
+    is checked on every batch: a token outside the vocabulary raises ``DataError``.
+    """
+
+    def __init__(self, indexed: IndexedDataset, documents: range, *, name: str,
+                 seq_length: int, num_samples: int, seed: int, cache: IndexCache,
+                 vocab_size: int | None = None) -> None:
+        if not 0 <= documents.start <= documents.stop <= len(indexed):
+            raise DataError(f"{indexed.prefix}: document range {documents} outside the "
+                            f"dataset's {len(indexed)} documents")
+        self.indexed, self.name, self.seq_length = indexed, name, seq_length
+        self.documents, self.vocab_size = documents, vocab_size
+        self.tokens_per_epoch = int(indexed.sizes[documents.start:documents.stop]
+                                    .sum(dtype=np.int64))
+        if self.tokens_per_epoch == 0:
+            raise DataError(f"{indexed.prefix}: the {name} split (documents {documents.start}"
+                            f"..{documents.stop}) holds no tokens; change --split or add data")
+        self.num_epochs = num_epochs_for(self.tokens_per_epoch, seq_length, max(num_samples, 1))
+        key = {"kind": "gpt", "format": FORMAT_VERSION, "data": dataset_identity(indexed.prefix),
+               "documents": [documents.start, documents.stop], "seq_length": seq_length,
+               "epochs": self.num_epochs, "seed": seed, "split": name}
+        started = time.perf_counter()
+        split_seed = seed + (zlib.crc32(name.encode()) << 32)  # splits shuffle apart
+        arrays = cache.get_or_build(
+            f"{os.path.basename(indexed.prefix)}_{name}_{seq_length}s_{self.num_epochs}ep", key,
+            lambda: build_sample_index(indexed.sizes,
+                                       np.arange(documents.start, documents.stop),
+                                       seq_length, self.num_epochs, split_seed).arrays())
+        self.index = SampleIndex.from_arrays(arrays)
+        assert len(self.index) == samples_in_epochs(self.tokens_per_epoch, seq_length,
+                                                    self.num_epochs)
+        logger.info(" > %s %s: %s documents, %s tokens per epoch, %d epoch(s), %s samples "
+                    "(%.2fs)", name, os.path.basename(indexed.prefix), f"{len(documents):,}",
+                    f"{self.tokens_per_epoch:,}", self.num_epochs, f"{len(self):,}",
+                    time.perf_counter() - started)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def samples_per_epoch(self) -> float:
+        return self.tokens_per_epoch / self.seq_length
+
+    def samples(self, start: int, count: int) -> torch.Tensor:
+        """Samples ``start .. start+count-1``: int64 [count, seq_length + 1]."""
+        return torch.from_numpy(self.samples_at(np.arange(start, start + count)))
+
+    def samples_at(self, ids: np.ndarray) -> np.ndarray:
+        """Samples with the given ids (any order): int64 numpy [len(ids), seq_length + 1]."""
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
+            raise DataError(f"{self.indexed.prefix}: {self.name} sample {int(ids.max())} asked "
+                            f"for, but the dataset was built for {len(self)} samples; build it "
+                            "for more samples (--train-samples/--train-iters, --eval-iters)")
+        out = gather_samples(self.index, self._read, ids, self.seq_length)
+        if self.vocab_size is not None and out.size and out.max() >= self.vocab_size:
+            raise DataError(f"{self.indexed.prefix}: token id {int(out.max())} is outside the "
+                            f"vocabulary of {self.vocab_size}; the data was made with another "
+                            "tokenizer: check --tokenizer-type/--tokenizer-model")
+        return out
+
+    def _read(self, doc: int, start: int, stop: int | None) -> np.ndarray:
+        length = None if stop is None else stop - start
+        return self.indexed.get(doc, start, length)

@@ -1,0 +1,255 @@
+"""JSONL -> tokenized indexed datasets, in parallel, with output independent of parallelism.
+
+The input is cut into ~1 MiB chunks at line starts. Workers read their chunk straight from
+the file (text never passes through the parent), tokenize it and send back compact token
+arrays; the parent receives results in input order and streams them into one
+``IndexedDatasetBuilder`` per JSON key. Chunk bounds depend only on the file, so the output
+is byte-identical for any number of workers.
+
+``partitions > 1`` cuts the input into that many line-aligned slices, writes each slice to
+its own intermediate dataset, and merges them at the end. A slice whose intermediate dataset
+is complete (its ``.done`` marker matches the input, range and settings) is reused, so a
+long run that dies resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import multiprocessing as mp
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron3d.data.indexed_builder import IndexedDatasetBuilder, best_dtype, merge_datasets
+from megatron3d.data.indexed_dataset import data_file_path, index_file_path
+from megatron3d.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer
+from megatron3d.errors import DataError
+from megatron3d.log import get_logger
+
+logger = get_logger(__name__)
+
+Progress = Callable[[int, int], None]  # (documents, input bytes) done since the last call
+_WINDOW_PER_WORKER = 4  # chunks in flight per worker
+
+
+@dataclass(frozen=True)
+class PreprocessJob:
+    """What to tokenize, how, and where to write it."""
+
+    input: str
+    output_prefix: str
+    tokenizer: TokenizerSpec
+    json_keys: tuple[str, ...] = ("text",)
+    append_eod: bool = False
+    dtype: str | None = None  # token dtype; default uint16 below 65500 tokens, else int32
+    chunk_bytes: int = 1 << 20
+
+    def key_prefix(self, key: str, part: str = "") -> str:
+        """Megatron's output name: ``{output_prefix}_{key}_document``."""
+        return f"{self.output_prefix}_{key}_document{part}"
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    job: PreprocessJob
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _ChunkResult:
+    tokens: dict[str, np.ndarray]  # all documents' tokens, concatenated
+    lengths: dict[str, np.ndarray]  # int64 [documents] tokens per document
+    documents: int
+    nbytes: int
+
+
+def line_aligned_bounds(path: str, start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut into pieces of about ``step`` bytes, each starting at a line start."""
+    bounds, pos = [], start
+    with open(path, "rb") as f:
+        while pos < end:
+            target = pos + max(step, 1)
+            if target >= end:
+                bounds.append((pos, end))
+                break
+            f.seek(target - 1)
+            f.readline()  # to the end of the line holding byte target - 1
+            nxt = min(f.tell(), end)
+            bounds.append((pos, nxt))
+            pos = nxt
+    return bounds
+
+
+@functools.cache
+def _tokenizer(spec: TokenizerSpec) -> Tokenizer:
+    """One tokenizer per process (workers rebuild it from the picklable spec)."""
+    return build_tokenizer(spec)
+
+
+def _tokenize_chunk(chunk: _Chunk) -> _ChunkResult:
+    job = chunk.job
+    tok = _tokenizer(job.tokenizer)
+    dtype = np.dtype(job.dtype)
+    ids: dict[str, list[int]] = {k: [] for k in job.json_keys}
+    lengths: dict[str, list[int]] = {k: [] for k in job.json_keys}
+    with open(job.input, "rb") as f:
+        f.seek(chunk.start)
+        data = f.read(chunk.end - chunk.start)
+    documents, offset = 0, chunk.start
+    for line in data.splitlines(keepends=True):
+        if line.strip():
+            record = _parse(line, job, offset)
+            for key in job.json_keys:
+                tokens = tok.tokenize(_text(record, key, job, offset))
+                if job.append_eod:
+                    tokens.append(tok.eod)
+                ids[key].extend(tokens)
+                lengths[key].append(len(tokens))
+            documents += 1
+        offset += len(line)
+    return _ChunkResult(tokens={k: _as_tokens(v, dtype, job) for k, v in ids.items()},
+                        lengths={k: np.asarray(v, dtype=np.int64) for k, v in lengths.items()},
+                        documents=documents, nbytes=chunk.end - chunk.start)
+
+
+def _parse(line: bytes, job: PreprocessJob, offset: int) -> dict:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{job.input}: invalid JSON in the line at byte {offset} ({exc}); "
+                        "fix or remove that line (the input must be one JSON object per "
+                        "line)") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{job.input}: the line at byte {offset} is not a JSON object; write "
+                        "one object per line, e.g. {\"text\": \"...\"}")
+    return record
+
+
+def _text(record: dict, key: str, job: PreprocessJob, offset: int) -> str:
+    text = record.get(key)
+    if not isinstance(text, str):
+        what = "has no key" if key not in record else "has a non-string value for"
+        raise DataError(f"{job.input}: the object at byte {offset} {what} {key!r}; pass the "
+                        f"right --json-keys (it has {sorted(record)[:5]})")
+    return text
+
+
+def _as_tokens(ids: list[int], dtype: np.dtype, job: PreprocessJob) -> np.ndarray:
+    values = np.asarray(ids, dtype=np.int64)
+    info = np.iinfo(dtype)
+    if values.size and (values.min() < info.min or values.max() > info.max):
+        raise DataError(f"{job.output_prefix}: token id {int(values.max())} does not fit "
+                        f"{dtype}; pass --dtype int32")
+    return values.astype(dtype)
+
+
+def preprocess(job: PreprocessJob, workers: int = 1, partitions: int = 1,
+               progress: Progress | None = None) -> list[str]:
+    """Tokenize ``job.input``; return the output prefix of each JSON key."""
+    if not os.path.isfile(job.input):
+        raise DataError(f"{job.input}: input file not found; pass an existing JSONL file "
+                        "as --input")
+    vocab_size = _tokenizer(job.tokenizer).vocab_size
+    job = dataclasses.replace(job, dtype=np.dtype(job.dtype or best_dtype(vocab_size)).name)
+    slices = line_aligned_bounds(job.input, 0, os.path.getsize(job.input),
+                                 -(-os.path.getsize(job.input) // max(partitions, 1)))
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) \
+        if workers > 1 else None
+    try:
+        if partitions <= 1:
+            _write(job, _results(job, slices, pool, workers),
+                   [job.key_prefix(k) for k in job.json_keys], progress)
+        else:
+            _write_partitions(job, slices, pool, workers, progress)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return [job.key_prefix(k) for k in job.json_keys]
+
+
+def _results(job: PreprocessJob, slices: list[tuple[int, int]],
+             pool: ProcessPoolExecutor | None, workers: int) -> Iterator[_ChunkResult]:
+    """Chunk results in input order.
+
+    At most ``_WINDOW_PER_WORKER`` chunks per worker are in flight, so memory stays bounded
+    when one chunk is slow; a worker that dies raises ``BrokenProcessPool`` instead of hanging.
+    """
+    chunks = (_Chunk(job, a, b) for start, end in slices
+              for a, b in line_aligned_bounds(job.input, start, end, job.chunk_bytes))
+    if pool is None:
+        yield from map(_tokenize_chunk, chunks)
+        return
+    window = _WINDOW_PER_WORKER * workers
+    pending: deque[Future] = deque()
+    for chunk in chunks:
+        pending.append(pool.submit(_tokenize_chunk, chunk))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _write(job: PreprocessJob, results: Iterator[_ChunkResult], prefixes: list[str],
+           progress: Progress | None) -> None:
+    with contextlib.ExitStack() as stack:
+        builders = [stack.enter_context(IndexedDatasetBuilder(p, np.dtype(job.dtype)))
+                    for p in prefixes]
+        for result in results:
+            for key, builder in zip(job.json_keys, builders, strict=True):
+                builder.add_documents(result.tokens[key], result.lengths[key])
+            if progress is not None:
+                progress(result.documents, result.nbytes)
+        for builder in builders:
+            builder.finalize()
+
+
+def _write_partitions(job: PreprocessJob, slices: list[tuple[int, int]],
+                      pool: ProcessPoolExecutor | None, workers: int,
+                      progress: Progress | None) -> None:
+    parts: list[list[str]] = []
+    for p, bounds in enumerate(slices):
+        suffix = f"_part{p}of{len(slices)}"
+        prefixes = [job.key_prefix(k, suffix) for k in job.json_keys]
+        marker = f"{job.output_prefix}{suffix}.done"
+        stamp = _stamp(job, bounds)
+        if _marker_matches(marker, stamp, prefixes):
+            logger.info("reusing finished partition %d of %d", p + 1, len(slices))
+            if progress is not None:
+                progress(0, bounds[1] - bounds[0])
+        else:
+            _write(job, _results(job, [bounds], pool, workers), prefixes, progress)
+            with open(marker, "w") as f:
+                json.dump(stamp, f, sort_keys=True)
+        parts.append(prefixes)
+    for k, key in enumerate(job.json_keys):
+        merge_datasets([prefixes[k] for prefixes in parts], job.key_prefix(key))
+    for p, prefixes in enumerate(parts):
+        for prefix in prefixes:
+            os.remove(data_file_path(prefix))
+            os.remove(index_file_path(prefix))
+        os.remove(f"{job.output_prefix}_part{p}of{len(slices)}.done")
+
+
+def _stamp(job: PreprocessJob, bounds: tuple[int, int]) -> dict:
+    stat = os.stat(job.input)
+    return {"input": os.path.abspath(job.input), "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns, "range": list(bounds),
+            "job": {k: v for k, v in dataclasses.asdict(job).items() if k != "chunk_bytes"}}
+
+
+def _marker_matches(marker: str, stamp: dict, prefixes: list[str]) -> bool:
+    if not all(os.path.isfile(index_file_path(p)) for p in prefixes):
+        return False
+    try:
+        with open(marker) as f:
+            return json.load(f) == json.loads(json.dumps(stamp, sort_keys=True))
+    except (OSError, ValueError):
+        return False

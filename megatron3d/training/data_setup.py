@@ -1,0 +1,80 @@
+"""Training and validation data for a run: mock data, or Megatron datasets with their tokenizer.
+
+The tokenizer decides the model's vocabulary when real data is used, so this runs before the
+model is built. Validation uses the same ``eval_iters`` global batches at every evaluation,
+so the numbers are comparable across a run (Megatron instead moves on to fresh samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron3d.config import TrainConfig
+from megatron3d.data.blended_dataset import format_report
+from megatron3d.data.builder import build_datasets, dry_run_report
+from megatron3d.data.mock import MockGPTDataset
+from megatron3d.data.sampler import TokenDataset
+from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
+from megatron3d.errors import ConfigError
+
+VALID_SAMPLE_OFFSET = 2**48
+"""Validation samples of the mock dataset start here: same distribution, disjoint samples."""
+
+
+@dataclass(frozen=True)
+class RunData:
+    vocab_size: int
+    train: TokenDataset
+    valid: TokenDataset | None
+    eod: int | None  # the token whose positions are masked out of the loss, if any
+
+
+class _Offset:
+    """A view of a dataset starting ``offset`` samples in."""
+
+    def __init__(self, dataset: TokenDataset, offset: int) -> None:
+        self.dataset, self.offset = dataset, offset
+
+    def samples(self, start: int, count: int) -> torch.Tensor:
+        return self.dataset.samples(self.offset + start, count)
+
+
+def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int) -> RunData:
+    if cfg.data.mock_data:
+        mock = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed)
+        return RunData(cfg.model.vocab_size, mock, _Offset(mock, VALID_SAMPLE_OFFSET), None)
+    tokenizer = build_tokenizer(_tokenizer_spec(cfg))
+    sets = build_datasets(**_sources(cfg), seq_length=cfg.model.seq_length,
+                          seed=cfg.training.seed, train_samples=train_samples,
+                          valid_samples=valid_samples, data_cache_path=cfg.data.data_cache_path,
+                          vocab_size=tokenizer.vocab_size)
+    if sets.train is None:
+        raise ConfigError(f"the training split is empty (--split={cfg.data.split!r}): give "
+                          "training a share of the documents")
+    if sets.valid is None and valid_samples > 0:
+        raise ConfigError(f"the validation split is empty (--split={cfg.data.split!r}) but "
+                          "--eval-iters > 0: give validation a share or pass --eval-iters 0")
+    return RunData(tokenizer.vocab_size, sets.train, sets.valid,
+                   tokenizer.eod if cfg.data.eod_mask_loss else None)
+
+
+def dry_run(cfg: TrainConfig, train_samples: int, valid_samples: int) -> str:
+    """The --dry-run-data report: per split and source, weight, samples and epochs."""
+    reports = dry_run_report(**_sources(cfg), seq_length=cfg.model.seq_length,
+                             train_samples=train_samples, valid_samples=valid_samples)
+    return "\n".join(format_report(split, rows) for split, rows in reports.items() if rows)
+
+
+def _sources(cfg: TrainConfig) -> dict:
+    return {"data_path": cfg.data.data_path, "data_path_file": cfg.data.data_path_file,
+            "split": cfg.data.split}
+
+
+def _tokenizer_spec(cfg: TrainConfig) -> TokenizerSpec:
+    d = cfg.data
+    return TokenizerSpec(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
+                         vocab_file=d.vocab_file, merge_file=d.merge_file,
+                         tokenizer_name_or_path=d.tokenizer_name_or_path,
+                         vocab_size=cfg.model.vocab_size)

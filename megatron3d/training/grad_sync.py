@@ -1,0 +1,36 @@
+"""Every gradient reduction between backward and the optimizer step, in one place.
+
+Order: data-parallel buckets (started during the last backward, completed here), then the
+sums over tensor-parallel ranks of sequence-parallel replicated parameters, then the sum of
+tied embedding copies over the embedding group. All are sums, so the order does not change the
+result; each runs on the gradients this rank's optimizer reads (its ZeRO slice, or all).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from megatron3d.mpu import comm
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.state import ParallelState
+from megatron3d.optim.shard import Shard
+from megatron3d.pipeline.tied import TiedWeights
+from megatron3d.zero.ddp import GradReducer
+
+
+class GradSync:
+    def __init__(self, params: list[nn.Parameter], shard: Shard, reducer: GradReducer,
+                 tied: TiedWeights, state: ParallelState) -> None:
+        self.reducer = reducer
+        self.state = state
+        self._sequence_parallel = shard.grads_of(
+            [p for p in params if get_meta(p).sequence_parallel])
+        self._tied = shard.grads_of(tied.params)
+
+    def before_last_backward(self) -> None:
+        self.reducer.arm()
+
+    def __call__(self) -> None:
+        self.reducer.finish()
+        comm.all_reduce_coalesced(self._sequence_parallel, self.state.tp)
+        comm.all_reduce_coalesced(self._tied, self.state.embedding)

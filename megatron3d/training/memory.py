@@ -1,0 +1,54 @@
+"""Per-rank memory of parameters, gradients and optimizer state: analytic and measured.
+
+The analytic numbers follow the ZeRO paper's accounting for this rank's parameters P (its
+pipeline stage and TP slice): parameters P x (2 or 4) bytes, fp32 gradient buffer 4P, and
+optimizer state (fp32 master copy when the model is bf16/fp16, plus two fp32 Adam moments):
+12P or 8P bytes, divided by DP under ZeRO-1 (which also keeps a 4P/DP buffer of its
+reduce-scattered gradients). Measured numbers read the real buffers, so padding shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron3d import device as devices
+from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+
+
+@dataclass(frozen=True)
+class MemoryBytes:
+    params: int
+    grads: int
+    optimizer_state: int
+
+    def lines(self, label: str) -> list[str]:
+        gib = 2.0 ** 30
+        return [f"  {label:<9} parameters {self.params:>14,} B ({self.params / gib:.3f} GiB)"
+                f" | gradients {self.grads:>14,} B | optimizer state "
+                f"{self.optimizer_state:>14,} B ({self.optimizer_state / gib:.3f} GiB)"]
+
+
+def analytic(num_params: int, param_bytes: int, zero_stage: int, dp: int) -> MemoryBytes:
+    shards = dp if zero_stage == 1 else 1
+    master = 4 * num_params if param_bytes < 4 else 0
+    shard_grads = 4 * num_params // dp if zero_stage == 1 else 0
+    return MemoryBytes(params=param_bytes * num_params, grads=4 * num_params + shard_grads,
+                       optimizer_state=(master + 8 * num_params) // shards)
+
+
+def measured(optimizer: MixedPrecisionOptimizer) -> MemoryBytes:
+    """What this rank holds now (Adam's moments exist after the first step)."""
+    buffers, shard = optimizer.buffers, optimizer.shard
+    grads = buffers.grads.nbytes + (0 if shard.is_whole else shard.grads.nbytes)
+    return MemoryBytes(params=buffers.params.nbytes, grads=grads,
+                       optimizer_state=optimizer.state_bytes())
+
+
+def report(title: str, expected: MemoryBytes, actual: MemoryBytes | None = None) -> str:
+    lines = [title, *expected.lines("analytic")]
+    if actual is not None:
+        lines += actual.lines("measured")
+        allocated = devices.allocated_bytes()
+        if allocated is not None:
+            lines.append(f"  device allocated {allocated:,} B")
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""Index caches: keyed by content, written atomically, built once under concurrency."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from megatron3d.data.builder import build_datasets
+from megatron3d.data.index_cache import IndexCache, cache_key, dataset_identity
+from megatron3d.data.indexed_builder import IndexedDatasetBuilder
+from megatron3d.errors import DataError
+from tests.helpers.dist import run_distributed
+
+
+def _build_counted(log_path: str, delay_s: float = 0.0):
+    """A build function that records each call; ``delay_s`` lets racers pile up."""
+    def build():
+        with open(log_path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(delay_s)
+        return {"a": np.arange(10), "b": np.ones((3, 2), np.int32)}
+    return build
+
+
+def _race(directory: str, data_prefix: str) -> tuple[int, list, list]:
+    """One rank: the same cache entry and the same dataset, from four processes at once."""
+    cache = IndexCache(directory, timeout_s=60)
+    dist.barrier()  # start together, so three ranks really find the entry being built
+    build = _build_counted(os.path.join(directory, "log"), delay_s=0.5)
+    arrays = cache.get_or_build("race", {"x": 1}, build)
+    dist.barrier()
+    sets = build_datasets(data_path=data_prefix, seq_length=8, seed=3, train_samples=50,
+                          data_cache_path=directory)
+    return os.getpid(), arrays["a"].tolist(), sets.train.samples(0, 50).tolist()
+
+
+def test_four_processes_build_each_entry_once(tmp_path):
+    prefix = str(tmp_path / "data")
+    with IndexedDatasetBuilder(prefix, np.int32) as builder:
+        for d in range(30):
+            builder.add_document(np.arange(d * 10, d * 10 + 7))
+        builder.finalize()
+    directory = str(tmp_path / "cache")
+    results = run_distributed(_race, 4, directory, prefix, timeout_s=120)
+    builders = Path(directory, "log").read_text().split()
+    assert len(builders) == 1 and int(builders[0]) in {pid for pid, _, _ in results}
+    assert all(r[1] == list(range(10)) for r in results)
+    assert all(r[2] == results[0][2] for r in results)
+    leftovers = [n for n in os.listdir(directory) if n.endswith(".lock") or ".tmp" in n]
+    assert leftovers == []
+
+
+def test_hit_miss_and_key(tmp_path):
+    cache = IndexCache(str(tmp_path))
+    log = str(tmp_path / "log")
+    first = cache.get_or_build("n", {"k": 1}, _build_counted(log))
+    second = cache.get_or_build("n", {"k": 1}, _build_counted(log))
+    cache.get_or_build("n", {"k": 2}, _build_counted(log))
+    assert len(Path(log).read_text().split()) == 2
+    np.testing.assert_array_equal(first["b"], second["b"])
+    assert cache_key({"a": 1, "b": [1, 2]}) == cache_key({"b": [1, 2], "a": 1})
+    assert cache_key({"a": 1}) != cache_key({"a": 2})
+
+
+def test_identity_follows_content_not_path(tmp_path):
+    for name in ("x", "y"):
+        with IndexedDatasetBuilder(str(tmp_path / name), np.uint16) as builder:
+            builder.add_document([1, 2, 3])
+            builder.finalize()
+    assert dataset_identity(str(tmp_path / "x")) == dataset_identity(str(tmp_path / "y"))
+    with IndexedDatasetBuilder(str(tmp_path / "z"), np.uint16) as builder:
+        builder.add_document([1, 2, 4, 5])
+        builder.finalize()
+    assert dataset_identity(str(tmp_path / "x")) != dataset_identity(str(tmp_path / "z"))
+
+
+def test_waiting_on_a_live_lock_times_out_with_the_fix(tmp_path):
+    cache = IndexCache(str(tmp_path), timeout_s=0.3, poll_s=0.05)
+    entry = os.path.join(str(tmp_path), f"n-{cache_key({'k': 1})}")
+    with open(entry + ".lock", "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()} 0\n")  # held by us: alive
+    with pytest.raises(DataError, match=r"n-\w+\.lock: timed out .*delete the lock file"):
+        cache.get_or_build("n", {"k": 1}, lambda: {"a": np.zeros(1)})
+
+
+def test_a_lock_of_a_dead_process_is_taken_over(tmp_path):
+    cache = IndexCache(str(tmp_path), timeout_s=5, poll_s=0.05)
+    entry = os.path.join(str(tmp_path), f"n-{cache_key({'k': 1})}")
+    with open(entry + ".lock", "w") as f:
+        f.write(f"{socket.gethostname()} {2**22 + 12345} 0\n")  # no such pid
+    arrays = cache.get_or_build("n", {"k": 1}, lambda: {"a": np.arange(3)})
+    assert arrays["a"].tolist() == [0, 1, 2] and not os.path.exists(entry + ".lock")
+
+
+def test_failed_build_releases_the_lock(tmp_path):
+    cache = IndexCache(str(tmp_path))
+    def broken():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError):
+        cache.get_or_build("n", {"k": 1}, broken)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_cache_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(DataError, match="--data-cache-path"):
+        IndexCache(str(blocker / "cache"))

@@ -1,0 +1,135 @@
+"""preprocess_data: JSONL in, Megatron datasets out, the same bytes for any parallelism."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron3d.data import preprocess as preprocess_module
+from megatron3d.data.builder import build_datasets
+from megatron3d.data.corpus import stdlib_documents
+from megatron3d.data.indexed_dataset import IndexedDataset
+from megatron3d.data.preprocess import PreprocessJob, line_aligned_bounds, preprocess
+from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
+from megatron3d.data.tokenizer_training import train_sentencepiece
+from megatron3d.errors import DataError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~100 documents of stdlib code (varied lengths, unicode) and a tokenizer trained on them."""
+    directory = tmp_path_factory.mktemp("corpus")
+    docs = [d["text"][:3000] for d in stdlib_documents(max_bytes=2_000_000)][:300]
+    docs[5] = ""  # an empty document
+    path = directory / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "title": t[:20]}) + "\n" for t in docs))
+    model = train_sentencepiece(docs, str(directory / "tok"), vocab_size=500)
+    return path, docs, TokenizerSpec("SentencePieceTokenizer", tokenizer_model=model)
+
+
+def job(corpus, prefix, **kw) -> PreprocessJob:
+    path, _, spec = corpus
+    return PreprocessJob(input=str(path), output_prefix=str(prefix), tokenizer=spec,
+                         append_eod=True, chunk_bytes=20_000, **kw)
+
+
+def files(prefix: str) -> tuple[bytes, bytes]:
+    return Path(prefix + ".bin").read_bytes(), Path(prefix + ".idx").read_bytes()
+
+
+def test_output_is_the_tokenized_documents(corpus, tmp_path):
+    _, docs, spec = corpus
+    (out,) = preprocess(job(corpus, tmp_path / "one"))
+    assert out == str(tmp_path / "one") + "_text_document"
+    ds, tok = IndexedDataset(out), build_tokenizer(spec)
+    assert ds.dtype == np.uint16 and ds.num_documents == len(docs) and len(ds) == len(docs)
+    for i in (0, 5, 17, len(docs) - 1):
+        assert ds[i].tolist() == tok.tokenize(docs[i]) + [tok.eod]
+
+
+def test_one_and_four_workers_and_partitions_give_identical_files(corpus, tmp_path):
+    one = preprocess(job(corpus, tmp_path / "w1"))[0]
+    four = preprocess(job(corpus, tmp_path / "w4"), workers=4)[0]
+    parts = preprocess(job(corpus, tmp_path / "p3"), workers=2, partitions=3)[0]
+    assert files(one) == files(four) == files(parts)
+    assert sorted(p.name for p in tmp_path.iterdir() if "p3" in p.name) == [
+        "p3_text_document.bin", "p3_text_document.idx"]  # intermediates are gone
+
+
+def test_a_finished_partition_is_reused_after_a_crash(corpus, tmp_path, monkeypatch):
+    real_write, calls = preprocess_module._write, []
+    def crash_on_second(*args):
+        calls.append(args[2])
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        real_write(*args)
+    monkeypatch.setattr(preprocess_module, "_write", crash_on_second)
+    with pytest.raises(RuntimeError):
+        preprocess(job(corpus, tmp_path / "r"), partitions=2)
+    calls.clear()
+    monkeypatch.setattr(preprocess_module, "_write", lambda *a: (calls.append(a[2]),
+                                                                  real_write(*a)))
+    out = preprocess(job(corpus, tmp_path / "r"), partitions=2)[0]
+    assert len(calls) == 1 and "part1of2" in calls[0][0]  # only the unfinished slice
+    assert files(out) == files(preprocess(job(corpus, tmp_path / "ref"))[0])
+
+
+def test_several_keys_and_progress(corpus, tmp_path):
+    seen = []
+    outs = preprocess(job(corpus, tmp_path / "k", json_keys=("text", "title")), workers=2,
+                      progress=lambda docs, nbytes: seen.append((docs, nbytes)))
+    assert [Path(o).name for o in outs] == ["k_text_document", "k_title_document"]
+    assert sum(d for d, _ in seen) == len(corpus[1])
+    assert sum(b for _, b in seen) == corpus[0].stat().st_size
+
+
+def test_bad_input_lines(corpus, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "1 2"}\n{"text": 3 4}\n')
+    null = TokenizerSpec("NullTokenizer", vocab_size=10)
+    base = PreprocessJob(input=str(bad), output_prefix=str(tmp_path / "o"), tokenizer=null)
+    with pytest.raises(DataError, match=r"bad.jsonl: invalid JSON in the line at byte 16"):
+        preprocess(base)
+    bad.write_text('{"body": "1 2"}\n')
+    with pytest.raises(DataError, match="has no key 'text'; pass the right --json-keys"):
+        preprocess(base)
+    with pytest.raises(DataError, match="input file not found"):
+        preprocess(PreprocessJob(input=str(tmp_path / "none"), output_prefix="o",
+                                 tokenizer=null))
+    assert not list(tmp_path.glob("o*"))
+
+
+def test_line_aligned_bounds(tmp_path):
+    path = tmp_path / "lines"
+    path.write_bytes(b"aaaa\nbb\ncccccc\nd\n")
+    bounds = line_aligned_bounds(str(path), 0, 17, 3)
+    assert bounds == [(0, 5), (5, 8), (8, 15), (15, 17)]
+    assert line_aligned_bounds(str(path), 0, 17, 100) == [(0, 17)]
+
+
+def test_quickstart_tools_end_to_end(tmp_path):
+    """stdlib corpus -> tokenizer -> preprocess -> datasets, through the command-line tools."""
+    def tool(name, *args):
+        subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)],
+                       check=True, capture_output=True, cwd=tmp_path)
+    tool("stdlib_corpus.py", "--output", "c.jsonl", "--max-mb", "0.4")
+    tool("train_tokenizer.py", "--input", "c.jsonl", "--model-prefix", "tok", "--vocab-size",
+         "400")
+    tool("preprocess_data.py", "--input", "c.jsonl", "--output-prefix", "c", "--append-eod",
+         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "tok.model",
+         "--workers", "2", "--no-progress")
+    tool("prepare_data_cache.py", "--data-path", "c_text_document", "--split", "90,10,0",
+         "--seq-length", "32", "--train-samples", "100", "--valid-samples", "10")
+    sets = build_datasets(data_path=str(tmp_path / "c_text_document"), split="90,10,0",
+                          seq_length=32, seed=1234, train_samples=100, valid_samples=10,
+                          vocab_size=400)
+    assert sets.train.samples(0, 100).shape == (100, 33)
+    assert len(list((tmp_path / "index-cache").glob("*.lock"))) == 0
+    assert len(list((tmp_path / "index-cache").iterdir())) == 2  # made by the tool, reused

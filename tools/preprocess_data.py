@@ -1,0 +1,113 @@
+"""Tokenize a JSONL corpus into Megatron indexed datasets (``.bin``/``.idx``).
+
+    python tools/preprocess_data.py --input corpus.jsonl --json-keys text \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model \
+        --output-prefix data/corpus --append-eod --workers 4
+
+writes ``data/corpus_text_document.bin/.idx`` (``{prefix}_{key}_document``). The output is
+identical for any ``--workers``; ``--partitions N`` writes N intermediate datasets and merges
+them, reusing finished ones when rerun after a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron3d.data.preprocess import PreprocessJob, preprocess  # noqa: E402
+from megatron3d.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec  # noqa: E402
+from megatron3d.errors import Megatron3dError  # noqa: E402
+from megatron3d.log import get_logger, setup_logging  # noqa: E402
+
+logger = get_logger("preprocess_data")
+
+
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+    """The tokenizer flags, named as in Megatron-DeepSpeed."""
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--tokenizer-model", help="SentencePiece model file")
+    group.add_argument("--vocab-file", help="GPT-2 vocab.json")
+    group.add_argument("--merge-file", help="GPT-2 merges.txt")
+    group.add_argument("--tokenizer-name-or-path", help="local Hugging Face tokenizer dir/file")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
+
+
+def tokenizer_spec(args: argparse.Namespace) -> TokenizerSpec:
+    return TokenizerSpec(tokenizer_type=args.tokenizer_type,
+                         tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                         merge_file=args.merge_file,
+                         tokenizer_name_or_path=args.tokenizer_name_or_path,
+                         vocab_size=args.vocab_size)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", required=True, help="JSONL file, one document per line")
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys to tokenize; one output dataset per key")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document token to every document")
+    p.add_argument("--dtype", choices=["uint16", "int32", "int64"],
+                   help="token dtype; default uint16 below 65500 tokens, else int32")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--partitions", type=int, default=1,
+                   help="cut the input into this many slices written separately, then merged")
+    p.add_argument("--chunk-mb", type=float, default=1.0, help="input MB per worker task")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_tokenizer_args(p)
+    return p.parse_args(argv)
+
+
+def _progress_bar(total: int, enabled: bool):
+    """A tqdm bar over input bytes (MB/s) with documents/s alongside."""
+    if not enabled:
+        return None, lambda docs, nbytes: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="tokenizing")
+    state = {"docs": 0, "start": time.perf_counter()}
+
+    def update(docs: int, nbytes: int) -> None:
+        state["docs"] += docs
+        elapsed = max(time.perf_counter() - state["start"], 1e-9)
+        bar.set_postfix_str(f"{state['docs']:,} docs, {state['docs'] / elapsed:,.0f} docs/s",
+                            refresh=False)
+        bar.update(nbytes)
+    return bar, update
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(0, 0)
+    job = PreprocessJob(input=args.input, output_prefix=args.output_prefix,
+                        tokenizer=tokenizer_spec(args), json_keys=tuple(args.json_keys),
+                        append_eod=args.append_eod, dtype=args.dtype,
+                        chunk_bytes=max(1, int(args.chunk_mb * 1e6)))
+    start = time.perf_counter()
+    try:
+        exists = os.path.isfile(args.input)  # else preprocess says so, with no empty bar
+        total = os.path.getsize(args.input) if exists else 0
+        bar, update = _progress_bar(total, exists and not args.no_progress)
+        try:
+            outputs = preprocess(job, workers=args.workers, partitions=args.partitions,
+                                 progress=update)
+        finally:
+            if bar is not None:
+                bar.close()
+    except Megatron3dError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    logger.info("wrote %s in %.1fs", ", ".join(f"{o}.bin/.idx" for o in outputs),
+                time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
