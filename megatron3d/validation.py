@@ -269,11 +269,11 @@ def _check_warmup(values: dict[str, Any]) -> None:
     else:
         warmup, decay_name = "lr_warmup_samples", "lr_decay_samples"
         decay_name = decay_name if values[decay_name] is not None else "train_samples"
-    if values[warmup] > values[decay_name]:
+    if values[warmup] and values[warmup] >= values[decay_name]:
         raise _error(
-            "warmup is longer than the learning-rate decay",
+            "warmup must be shorter than the learning-rate decay",
             {warmup: values[warmup], decay_name: values[decay_name]},
-            f"shorten {flag(warmup)} to at most {flag(decay_name)}",
+            f"shorten {flag(warmup)} to less than {flag(decay_name)}",
         )
 
 

@@ -1,0 +1,70 @@
+"""Training on Megatron .bin/.idx data: through pretrain_gpt, with --eod-mask-loss, and the
+same model under data parallelism as in one process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pretrain_gpt
+from megatron3d.data.indexed_builder import IndexedDatasetBuilder
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import assert_same_run, merge_ranks, train, train_single
+from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
+
+VOCAB = 100  # the null tokenizer's ids; its eod is 100 and its vocabulary 101
+
+
+def _make_dataset(prefix: str) -> None:
+    """300 documents of a learnable pattern (a counter modulo 17 from a random start)."""
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix, np.uint16)
+    for _ in range(300):
+        start, length = rng.integers(0, 17), rng.integers(5, 60)
+        builder.add_document(list((start + np.arange(length)) % 17) + [VOCAB])
+    builder.finalize()
+
+
+def _argv(prefix: str, cache: str, iters: int, *extra: str) -> list[str]:
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", str(iters), "--lr", "3e-3", "--lr-warmup-iters", "2",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+            "--eval-interval", "5", "--eval-iters", "1", "--data-path", prefix,
+            "--split", "90,10,0", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            str(VOCAB), "--data-cache-path", cache, *extra]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("data")
+    _make_dataset(str(root / "corpus_text_document"))
+    return str(root / "corpus_text_document"), str(root / "cache")
+
+
+def test_pretrain_on_indexed_data_with_eod_mask(dataset, capsys):
+    prefix, cache = dataset
+    assert pretrain_gpt.main(_argv(prefix, cache, 10, "--eod-mask-loss")) == 0
+    out = capsys.readouterr().out
+    losses = [float(line.split("lm loss: ")[1].split()[0]) for line in out.splitlines()
+              if line.startswith(" iteration")]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    assert "validation loss at iteration 10" in out
+
+
+def test_dry_run_reports_the_sources(dataset, capsys):
+    prefix, cache = dataset
+    assert pretrain_gpt.main(_argv(prefix, cache, 10, "--dry-run-data")) == 0
+    out = capsys.readouterr().out
+    assert "train" in out and prefix in out and "iteration" not in out
+
+
+def _dp_run(prefix: str, cache: str) -> object:
+    return train(_argv(prefix, cache, 6, *EQUIVALENCE_FLAGS, "--zero-stage", "1"))
+
+
+def test_data_parallel_on_indexed_data_matches_one_process(dataset):
+    prefix, cache = dataset
+    train_single(_argv(prefix, cache, 6))  # build the index caches once, in this process
+    merged = merge_ranks(run_distributed(_dp_run, 2, prefix, cache))
+    assert_same_run(merged, train_single(_argv(prefix, cache, 6, *EQUIVALENCE_FLAGS)), FP32)
