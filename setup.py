@@ -19,8 +19,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7"],
-        "hf": ["transformers", "safetensors"],
+        "test": ["pytest>=7", "tokenizers"],  # tokenizers: the PretrainedFromHF tests
+        "hf": ["transformers", "safetensors", "tokenizers"],
         "dev": ["ruff"],
     },
 )

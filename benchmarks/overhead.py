@@ -89,7 +89,7 @@ def main() -> None:
 
     runs = {
         "megatron3d": lambda: train_step(trainer.engine, trainer.optimizer, batches, 1e-4,
-                                         trainer.sync_grads),
+                                         trainer.grad_sync, trainer.dp),
         "plain": lambda: _plain_step(plain, plain_opt, batches, 1.0, 1e-4),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}

@@ -117,7 +117,7 @@ def _one_micro_batch(a: argparse.Namespace, sequence_parallel: bool) -> Tally:
     loss = lm_loss(x, batch.labels, batch.loss_mask, ctx)
     loss.register_hook(_enter(counter, (LOSS, "bwd")))
     loss.backward()
-    counter.phase = (SYNC, "step")  # what the trainer's sync_grads does before the optimizer
+    counter.phase = (SYNC, "step")  # what the trainer's grad_sync does before the optimizer
     comm.all_reduce_coalesced([p.grad for p in model.parameters()
                                if get_meta(p).sequence_parallel], state.tp)
     return {key: (calls, size) for key, (calls, size) in counter.tally.items()}

@@ -15,7 +15,7 @@ from torch import nn
 
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
-from megatron3d.log import TensorBoardWriter, get_logger
+from megatron3d.log import TensorBoardWriter, every_rank_logger, get_logger
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss
 from megatron3d.mpu.meta import get_meta
@@ -37,7 +37,7 @@ from megatron3d.training.data_setup import build_run_data
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Trainer
 from megatron3d.zero.ddp import GradReducer
-from megatron3d.zero.stage1 import gather_params, zero1_shard
+from megatron3d.zero.stage1 import ParamGatherer, zero1_shard
 
 logger = get_logger(__name__)
 
@@ -118,14 +118,14 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState,
         shard = zero1_shard(buffers, state.dp)
         optimizer = MixedPrecisionOptimizer(
             shard, cfg.optimizer, cfg.precision, norm_axes=[state.mp, state.dp],
-            gather_params=functools.partial(gather_params, shard, state.dp))
+            gather_params=ParamGatherer(shard, state.dp))
     else:
         optimizer = MixedPrecisionOptimizer(Shard.whole(buffers), cfg.optimizer,
                                             cfg.precision, norm_axes=[state.mp],
                                             replica_axes=[state.dp])
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
-    logger.info(memory.report(
-        f"memory of rank {state.world_rank} (ZeRO-{cfg.parallel.zero_stage}, DP={state.dp.size}):",
+    every_rank_logger().info(memory.report(
+        f"memory (ZeRO-{cfg.parallel.zero_stage}, DP={state.dp.size}):",
         memory.analytic(sum(p.numel() for p in params), params[0].element_size(),
                         cfg.parallel.zero_stage, state.dp.size)))
     return optimizer

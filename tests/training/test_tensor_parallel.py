@@ -66,3 +66,19 @@ def test_tp_with_dropout_has_the_same_loss_statistics(sp):
 
 def _dropout_run(extra: tuple[str, ...]):
     return train(train_argv("gpt2", 30, *extra, "--tensor-model-parallel-size", "2"))
+
+
+def _tp3() -> object:
+    return train(_argv("gpt2", 3, *TP3_SHAPE))
+
+
+# Heads, hidden and ffn divisible by 3; the vocabulary (203) pads to 208 at TP=1 but 216 at
+# TP=3 (a multiple of 8 x 3): the padding differs, the model must not.
+TP3_SHAPE = ("--hidden-size", "48", "--num-attention-heads", "3", "--ffn-hidden-size", "96")
+
+
+def test_tp3_with_a_vocabulary_that_pads_differently():
+    results = run_distributed(_tp3, 3)
+    reference = train_single(_argv("gpt2", 1, *TP3_SHAPE))
+    for result in results:
+        assert_same_run(result, reference, FP32)

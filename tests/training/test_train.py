@@ -102,3 +102,14 @@ def test_bad_flags_exit_2_with_one_line():
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and "--num-layer" in run.stderr, run.stderr
     assert pretrain_gpt.main([*train_argv(), "--hidden-size", "30"]) == 2  # 30 % 4 heads
+
+
+def test_memory_report_is_printed_by_every_rank(capsys):
+    assert pretrain_gpt.main(train_argv("gpt2", 3, "--memory-report", "--bf16")) == 0
+    out = capsys.readouterr().out
+    assert "[rank 0] memory (ZeRO-0, DP=1):" in out
+    assert "[rank 0] memory after the first step:" in out
+    analytic = [ln for ln in out.splitlines() if "analytic" in ln][-1]
+    measured = [ln for ln in out.splitlines() if "measured" in ln][-1]
+    # one process, bf16: the optimizer state is exactly the analytic 12 bytes per parameter
+    assert analytic.split("optimizer state")[1] == measured.split("optimizer state")[1]
