@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: N812
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import add_model_args  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
 from megatron3d.arguments import parse_args  # noqa: E402
 from megatron3d.model.context import LayerContext  # noqa: E402
@@ -37,12 +38,7 @@ from megatron3d.validation import validate  # noqa: E402
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--micro-batch", type=int, default=4)
+    add_model_args(p, micro_batch=4)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--steps", type=int, default=20, help="timed steps per loop")
     p.add_argument("--warmup", type=int, default=3)

@@ -51,8 +51,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import add_model_args, spawn  # noqa: E402
 from benchmarks.png import Canvas, Color  # noqa: E402
-from benchmarks.tp_comm import spawn  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
 from megatron3d.arguments import parse_args  # noqa: E402
 from megatron3d.mpu.state import ParallelState  # noqa: E402
@@ -257,11 +257,7 @@ def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--blocks-per-stage", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=512)
+    add_model_args(p, layers=None, hidden=128, heads=4, seq=64, vocab=512)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps per (PP, m)")
     p.add_argument("--width", type=int, default=1200, help="PNG width in pixels")

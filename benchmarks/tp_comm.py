@@ -23,22 +23,17 @@ collective is filed under the layer that issued it. Bytes are what each rank con
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import queue
 import sys
-import tempfile
 import time
-import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import add_model_args, spawn  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
 from megatron3d.config import ModelConfig  # noqa: E402
 from megatron3d.data.mock import MockGPTDataset  # noqa: E402
@@ -219,63 +214,9 @@ def _report(a: argparse.Namespace, k: int, per_rank: list[tuple[str, Tally, Tall
     return "\n".join(lines)
 
 
-def _worker(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple,
-            replies: Any) -> None:
-    torch.set_num_threads(1)  # k ranks share the machine's cores
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        replies.put((rank, True, fn(*args)))
-    except Exception:  # the parent prints it
-        replies.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300.0) -> list:
-    """Run ``fn(*args)`` on ``world`` gloo ranks (file:// rendezvous); results by rank."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="m3d_tp_comm_") as tmp:
-        replies = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, world, f"file://{tmp}/store", fn, args,
-                                                   replies)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        try:
-            return _collect(procs, replies, time.monotonic() + timeout_s)
-        finally:
-            for proc in procs:
-                proc.join(timeout=10.0)
-                if proc.is_alive():
-                    proc.kill()
-
-
-def _collect(procs: list, replies: Any, deadline: float) -> list:
-    results: dict[int, Any] = {}
-    while len(results) < len(procs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(results))} hung")
-        try:
-            rank, ok, payload = replies.get(timeout=1.0)
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode]
-            if dead:
-                raise RuntimeError(f"ranks {dead} died without replying") from None
-            continue
-        if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        results[rank] = payload
-    return [results[r] for r in range(len(procs))]
-
-
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_model_args(p)
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args()

@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tp_comm import spawn  # noqa: E402
+from benchmarks.common import add_model_args, spawn  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
 from megatron3d.arguments import parse_args  # noqa: E402
 from megatron3d.config import TrainConfig  # noqa: E402
@@ -312,13 +312,8 @@ def _loss_check(per_rank: list[dict[str, Result]], warmup: int) -> list[str]:
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=2)
+    add_model_args(p)
     p.add_argument("--micro-batches", type=int, default=2, help="per rank per step")
-    p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="timed steps per run")
     p.add_argument("--bf16-warmup", type=int, default=0)

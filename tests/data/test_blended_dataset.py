@@ -9,8 +9,8 @@ import torch
 from megatron3d.data.blended_dataset import blending_index, format_report
 from megatron3d.data.builder import build_datasets, dry_run_report, parse_data_path
 from megatron3d.data.indexed_builder import IndexedDatasetBuilder
-from megatron3d.data.sampler import micro_batches
 from megatron3d.errors import ConfigError
+from tests.helpers.batches import assert_same_global_batch
 
 CPU = torch.device("cpu")
 
@@ -85,11 +85,7 @@ def test_blended_samples_come_from_their_sources(sources, tmp_path):
                            seed=5, train_samples=400, split="90,10,0",
                            data_cache_path=str(tmp_path / "cache"))
     assert torch.equal(again.train.samples(0, 400), tokens)
-    def global_tokens(dp):
-        return torch.cat([mb.tokens for rank in range(dp)
-                          for mb in micro_batches(train, 64, 32, 4, rank, dp, CPU)])
-    for dp in (2, 4):
-        assert torch.equal(global_tokens(dp), global_tokens(1))
+    assert_same_global_batch(train, (2, 4))
 
 
 def test_dry_run_report(sources):

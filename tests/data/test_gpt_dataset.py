@@ -12,8 +12,8 @@ from megatron3d.data.index_cache import IndexCache
 from megatron3d.data.indexed_builder import IndexedDatasetBuilder
 from megatron3d.data.indexed_dataset import IndexedDataset
 from megatron3d.data.sample_index import build_sample_index, num_epochs_for, samples_in_epochs
-from megatron3d.data.sampler import micro_batches
 from megatron3d.errors import ConfigError, DataError
+from tests.helpers.batches import assert_same_global_batch
 
 CPU = torch.device("cpu")
 SEQ = 8
@@ -97,16 +97,7 @@ def test_pure_numpy_index_is_repeatable():
 
 
 def test_global_batch_is_the_same_for_every_data_parallel_size(data):
-    ds = dataset(data, 200)
-    def global_tokens(dp):
-        parts = []
-        for rank in range(dp):
-            parts += [mb.tokens for mb in micro_batches(ds, 40, 16, 2, rank, dp, CPU)]
-        return torch.cat(parts)
-    one = global_tokens(1)
-    assert torch.equal(one, ds.samples(40, 16)[:, :-1])
-    for dp in (2, 4):
-        assert torch.equal(global_tokens(dp), one)
+    assert_same_global_batch(dataset(data, 200), (2, 4))
 
 
 def test_out_of_range_and_foreign_tokens_are_errors(data):

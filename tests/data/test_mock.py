@@ -6,6 +6,7 @@ import torch
 
 from megatron3d.data.mock import MockGPTDataset
 from megatron3d.data.sampler import micro_batches
+from tests.helpers.batches import assert_same_global_batch
 
 CPU = torch.device("cpu")
 
@@ -32,16 +33,7 @@ def test_tokens_follow_the_chain_mostly():
 
 
 def test_global_batch_is_the_same_whatever_the_data_parallel_size():
-    ds = MockGPTDataset(100, 8, seed=0)
-    def global_tokens(dp):
-        parts = []
-        for rank in range(dp):
-            parts += [mb.tokens for mb in micro_batches(ds, 40, 16, 2, rank, dp, CPU)]
-        return torch.cat(parts)
-    one = global_tokens(1)
-    assert torch.equal(one, ds.samples(40, 16)[:, :-1])
-    for dp in (2, 4, 8):
-        assert torch.equal(global_tokens(dp), one)
+    assert_same_global_batch(MockGPTDataset(100, 8, seed=0), (2, 4, 8))
 
 
 def test_labels_are_inputs_shifted_by_one():
