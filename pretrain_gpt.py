@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron3d import device as devices
 from megatron3d.arguments import format_config, parse_args
+from megatron3d.checkpoint import manager as checkpoint
 from megatron3d.config import TrainConfig
 from megatron3d.errors import Megatron3dError
 from megatron3d.log import get_logger, setup_logging
@@ -29,7 +30,7 @@ logger = get_logger("pretrain_gpt")
 def main(argv: list[str] | None = None) -> int:
     env = devices.launch_env()
     try:
-        cfg = parse_args(argv)
+        cfg = checkpoint.with_checkpoint_args(parse_args(argv))
         if cfg.parallel.print_topology:  # a planning aid: only the layout must be valid
             table = Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
                              cfg.parallel.pipeline_model_parallel_size).table()

@@ -218,6 +218,25 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Saving, resuming and stopping early (preemption, time limits)."""
+
+    save: str | None = _opt(None, "Directory to save checkpoints in (shared by all nodes).")
+    save_interval: int | None = _opt(None, "Save every this many iterations (and at the end).")
+    keep_last_n: int | None = _opt(None, "Keep only the newest N checkpoints.")
+    load: str | None = _opt(
+        None, "Resume from the newest checkpoint here; an empty or missing directory starts "
+        "from scratch, so a requeued job can rerun the same command.")
+    finetune: bool = _opt(False, "Load only the weights: iteration, optimizer and data start "
+                          "from zero.")
+    use_checkpoint_args: bool = _opt(
+        False, "Take the model flags from the checkpoint in --load.")
+    exit_interval: int | None = _opt(None, "Save and stop at the first iteration divisible by N.")
+    exit_duration_in_mins: float | None = _opt(
+        None, "Save and stop once training has run this many minutes.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The whole run; each section is one concern."""
 
@@ -229,6 +248,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -240,5 +260,6 @@ SECTIONS: dict[str, type] = {
     "precision": PrecisionConfig,
     "data": DataConfig,
     "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
 }
 """Section name -> dataclass, in the order flags are listed in ``--help``."""

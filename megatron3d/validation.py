@@ -97,6 +97,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_warmup(values)
     _check_layout(cfg, world_size)
     _check_batch(cfg, world_size)
+    _check_checkpoint(values)
     _check_implemented(cfg)
 
 
@@ -343,6 +344,18 @@ def _check_batch(cfg: TrainConfig, world_size: int) -> None:
 def _nearest_multiples(value: int, unit: int) -> str:
     below = value // unit * unit
     return f"{below} or {below + unit}" if below else str(unit)
+
+
+def _check_checkpoint(values: dict[str, Any]) -> None:
+    needs = {"save_interval": "save", "keep_last_n": "save", "finetune": "load",
+             "use_checkpoint_args": "load"}
+    for name, needed in needs.items():
+        if values[name] and not values[needed]:
+            raise _error(f"{flag(name)} needs {flag(needed)}", {name: values[name]},
+                         f"pass {flag(needed)} DIR or drop {flag(name)}")
+    for name in ("save_interval", "keep_last_n", "exit_interval", "exit_duration_in_mins"):
+        if values[name] is not None and values[name] <= 0:
+            raise _error("must be positive", {name: values[name]}, f"give {flag(name)} > 0")
 
 
 def _check_implemented(cfg: TrainConfig) -> None:

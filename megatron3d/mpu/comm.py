@@ -20,6 +20,7 @@ from megatron3d.mpu.state import AxisGroup
 
 SUM = dist.ReduceOp.SUM
 MAX = dist.ReduceOp.MAX
+MIN = dist.ReduceOp.MIN
 
 # torch >= 2.13 renamed the single-tensor collectives; older versions only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -169,3 +170,10 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], axis: AxisGroup) -> None:
     flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]), axis)
     for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
         t.copy_(part.view_as(t))
+
+
+def barrier(axis: AxisGroup) -> None:
+    """Wait until every member of the axis gets here."""
+    if axis.size > 1:
+        _check(axis, "barrier", torch.empty(0))
+        dist.barrier(group=axis.group)

@@ -95,6 +95,14 @@ class ParallelState:
         return cls(**axes, world_rank=world_rank, world_size=world_size, topology=topo)
 
     @property
+    def world(self) -> AxisGroup:
+        """Every rank (checkpoint barriers, agreeing to stop)."""
+        if self.world_size == 1:
+            return AxisGroup.single(self.world_rank)
+        return AxisGroup(group=dist.group.WORLD, rank=self.world_rank, size=self.world_size,
+                         ranks=tuple(range(self.world_size)))
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp.rank == 0
 

@@ -69,11 +69,11 @@ class LRSchedule:
                     iteration_based: bool) -> LRSchedule:
         """Build the schedule from flags, converting iteration flags to samples.
 
-        ``train_samples`` is what the whole run consumes (for an iteration-based run, the
-        samples of its ``--train-iters``; without rampup that is Megatron's
-        ``train_iters * global_batch_size``); it is the default decay length. Iteration flags
-        become samples with the final global batch size, as Megatron-LM does. Flags of the
-        other unit than the run's are rejected rather than ignored.
+        ``train_samples`` is the default decay length: for a sample-based run what it
+        consumes, for an iteration-based run ``train_iters * final_global_batch_size``
+        (Megatron-LM's conversion, which keeps warmup and decay in one unit even while the
+        batch ramps up). Iteration flags become samples with the final global batch size too.
+        Flags of the other unit than the run's are rejected rather than ignored.
         """
         if optimizer_cfg.lr is None:
             raise ConfigError("--lr is required: set the peak learning rate, e.g. --lr 6e-4")

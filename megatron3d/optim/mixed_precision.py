@@ -57,6 +57,9 @@ class MixedPrecisionOptimizer:
                 self._master_part(piece.start, piece.end, piece.local).copy_(
                     self.buffers.params[piece.start:piece.end])
         self.groups = param_groups(shard, self._master_part, optim.weight_decay)
+        # Where each optimizer tensor sits in local coordinates, in param_groups order.
+        self._locals = [(int(p.grad.data_ptr() - shard.grads.data_ptr()) // 4, p.numel())
+                        for g in self.groups for p in g["params"]]
         self.inner = kernels.adamw(self.groups, lr=0.0, betas=(optim.adam_beta1,
                                    optim.adam_beta2), eps=optim.adam_eps)
         self.scaler = LossScaler.from_config(precision) if precision.fp16 else None
@@ -74,6 +77,41 @@ class MixedPrecisionOptimizer:
 
     def zero_grad(self) -> None:
         self.buffers.zero_grad()
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """The fp32 weights and Adam moments of this rank's shard, in local coordinates
+        (what a checkpoint stores), and Adam's step count."""
+        weights = torch.cat([self._master_part(p.start, p.end, p.local).float()
+                             for p in self.shard.pieces])
+        result = {"weight": weights}
+        params = [p for g in self.inner.param_groups for p in g["params"]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            result[key] = torch.zeros(self.shard.numel, dtype=torch.float32,
+                                      device=weights.device)
+            for p, (local, n) in zip(params, self._locals, strict=True):
+                if p in self.inner.state:
+                    result[key][local:local + n] = self.inner.state[p][key].view(-1)
+        first = self.inner.state.get(params[0], {}) if params else {}
+        result["step"] = torch.as_tensor(float(first.get("step", 0.0)))
+        return result
+
+    def load_local_state(self, state: dict[str, torch.Tensor], weights_only: bool) -> None:
+        """Install what ``local_state`` returned (possibly from another layout, resharded by
+        the caller). The low-precision parameters are cast from the fp32 weights."""
+        for p in self.shard.pieces:
+            part = state["weight"][p.local:p.local + p.end - p.start]
+            self._master_part(p.start, p.end, p.local).copy_(part)
+            self.buffers.params[p.start:p.end].copy_(part)
+        self.gather_params()
+        if weights_only:
+            self.inner.state.clear()
+            return
+        params = [p for g in self.inner.param_groups for p in g["params"]]
+        for p, (local, n) in zip(params, self._locals, strict=True):
+            self.inner.state[p] = {
+                "step": state["step"].clone().to(torch.float32),
+                "exp_avg": state["exp_avg"][local:local + n].clone().view_as(p),
+                "exp_avg_sq": state["exp_avg_sq"][local:local + n].clone().view_as(p)}
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: fp32 master copy and Adam moments."""

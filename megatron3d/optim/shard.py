@@ -73,6 +73,13 @@ class Shard:
         return [self.grads[local:local + hi - lo]
                 for seg, lo, hi, local in self.segment_parts() if seg.counted]
 
+    def parts_of(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
+        """(start, end, local) of each part of ``param`` held here: [start, end) indexes the
+        parameter's own flattened elements, ``local`` where they sit in local coordinates."""
+        offset = self.buffers.offset_of(param)
+        return [(lo - offset, hi - offset, local)
+                for lo, hi, local in self.overlaps(offset, offset + param.numel())]
+
     def grads_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Views of the local gradients of ``params`` (all of each param without ZeRO)."""
         views = []

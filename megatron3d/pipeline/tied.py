@@ -24,6 +24,15 @@ class TiedWeights:
         self.params = [p for p in params if shared and get_meta(p).tied_key is not None]
         self.embedding = embedding
 
+    def check_identical(self) -> None:
+        """Raise if the copies differ (after loading a checkpoint, say)."""
+        for p in self.params:
+            first = comm.broadcast(p.detach().clone(), self.embedding, src_index=0)
+            same = torch.tensor([float(torch.equal(first, p.detach()))])
+            if comm.all_reduce(same, self.embedding, op=comm.MIN).item() < 1:
+                raise RuntimeError(f"tied copies of {get_meta(p).name} differ across pipeline "
+                                   f"stages {list(self.embedding.ranks)}; this is a bug")
+
     def broadcast_from_first_stage(self) -> None:
         with torch.no_grad():
             for p in self.params:

@@ -13,6 +13,7 @@ import functools
 import torch
 from torch import nn
 
+from megatron3d.checkpoint import manager as checkpoint
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.log import TensorBoardWriter, every_rank_logger, get_logger
@@ -34,8 +35,9 @@ from megatron3d.pipeline.tied import TiedWeights
 from megatron3d.training import memory
 from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.data_setup import build_run_data
+from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
-from megatron3d.training.loop import Trainer
+from megatron3d.training.loop import Progress, Trainer
 from megatron3d.zero.ddp import GradReducer
 from megatron3d.zero.stage1 import ParamGatherer, zero1_shard
 
@@ -52,9 +54,9 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> 
     data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                              vocab_size=data.vocab_size))
+    rng = RNGStreams.create(cfg.training.seed, state.tp.rank, dev)
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
-                       getattr(torch, cfg.precision.params_dtype_name), dev,
-                       RNGStreams.create(cfg.training.seed, state.tp.rank, dev),
+                       getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel)
     engine = build_engine(cfg, state, ctx)
     params = list(engine.stage.parameters())
@@ -65,9 +67,15 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> 
     optimizer = build_optimizer(cfg, state, params)
     reducer = GradReducer(optimizer.buffers, optimizer.shard, state.dp)
     grad_sync = GradSync(params, optimizer.shard, reducer, tied, state)
-    lr_schedule = LRSchedule.from_config(cfg.optimizer, cfg.lr_schedule, train_samples,
-                                         schedule.global_batch_size,
-                                         iteration_based=cfg.training.train_iters is not None)
+    progress = _resume(cfg, state, params, optimizer, rng)
+    if cfg.checkpoint.load:  # copies must agree after loading as they did at start
+        check_replicas()
+        tied.check_identical()
+    iters = cfg.training.train_iters
+    lr_schedule = LRSchedule.from_config(
+        cfg.optimizer, cfg.lr_schedule,
+        train_samples if iters is None else iters * schedule.global_batch_size,
+        schedule.global_batch_size, iteration_based=iters is not None)
     batches = functools.partial(_batches, data.train, data.eod, cfg.training.micro_batch_size,
                                 state, dev)
     valid = functools.partial(_batches, data.valid, data.eod, cfg.training.micro_batch_size,
@@ -81,7 +89,10 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> 
         world_size=state.world_size, padded_vocab_size=ctx.padded_vocab_size, device=dev,
         writer=TensorBoardWriter(cfg.logging.tensorboard_dir,
                                  enabled=state.world_rank == logging_rank(state)),
-        check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp)
+        check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp,
+        save=functools.partial(_save, cfg, state, params, optimizer, rng)
+        if cfg.checkpoint.save else None,
+        exit_watch=ExitWatch(cfg.checkpoint, state.world), progress=progress)
 
 
 def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext) -> PipelineEngine:
@@ -129,6 +140,28 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState,
         memory.analytic(sum(p.numel() for p in params), params[0].element_size(),
                         cfg.parallel.zero_stage, state.dp.size)))
     return optimizer
+
+
+def _resume(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
+            optimizer: MixedPrecisionOptimizer, rng: RNGStreams) -> Progress:
+    """Where training starts: the --load checkpoint's position, or zero."""
+    if not cfg.checkpoint.load:
+        return Progress()
+    directory = checkpoint.find(cfg.checkpoint.load)
+    if directory is None:
+        logger.info("no checkpoint in %s: starting from scratch", cfg.checkpoint.load)
+        return Progress()
+    loaded = checkpoint.load(directory, cfg, state, params, optimizer, rng,
+                             weights_only=cfg.checkpoint.finetune)
+    logger.info("loaded %s (iteration %d)", directory, loaded.iteration)
+    return Progress(loaded.iteration, loaded.consumed_samples, loaded.consumed_tokens)
+
+
+def _save(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
+          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, progress: Progress) -> None:
+    checkpoint.save(cfg.checkpoint.save, cfg, state, params, optimizer,
+                    checkpoint.Progress(progress.iteration, progress.consumed_samples,
+                                        progress.consumed_tokens), rng)
 
 
 def valid_samples(cfg: TrainConfig, schedule: BatchSchedule) -> int:

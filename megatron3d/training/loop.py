@@ -31,6 +31,7 @@ from megatron3d.training import memory
 from megatron3d.training import metrics as m
 from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.evaluate import evaluate, format_eval_line
+from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.flops import FlopsCount, flops_per_iteration, throughput
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.step import StepResult, train_step
@@ -76,33 +77,54 @@ class Trainer:
     check_replicas: Callable[[], None]  # raises if TP-replicated parameters drifted
     grad_sync: GradSync  # reductions between backward and the optimizer step
     dp: AxisGroup
+    save: Callable[[Progress], None] | None  # writes a checkpoint (None without --save)
+    exit_watch: ExitWatch
     progress: Progress = field(default_factory=Progress)
     on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
 
     def run(self) -> Progress:
+        """Train to ``total_iters`` (or until an exit condition); save at the end."""
         self.engine.stage.train()
         metrics = m.IntervalMetrics(self.device)
         interval = _Interval()
-        while self.progress.iteration < self.total_iters:
-            result, lr, gbs = self._step()
-            metrics.add_step(result.loss, result.stats.grad_norm, result.stats.num_zeros,
-                             result.stats.skipped, result.stats.loss_scale)
-            self._account(interval, gbs)
-            it = self.progress.iteration
-            if self.on_step is not None:
-                self.on_step(it, result)
-            if it == 1 and self.cfg.logging.memory_report:
-                self._memory_report()
-            if it % self.cfg.logging.log_interval == 0:
-                self._log(metrics.collect(), interval, lr, gbs)
-                interval = _Interval()
-            if it % self.cfg.training.eval_interval == 0 and self.cfg.training.eval_iters > 0:
-                self._evaluate()
-            replicas_every = self.cfg.parallel.check_replicas_interval
-            if replicas_every and it % replicas_every == 0:
-                self.check_replicas()
+        with self.exit_watch:
+            while self.progress.iteration < self.total_iters:
+                result, lr, gbs = self._step()
+                metrics.add_step(result.loss, result.stats.grad_norm, result.stats.num_zeros,
+                                 result.stats.skipped, result.stats.loss_scale)
+                self._account(interval, gbs)
+                if self._after_step(result, metrics, interval, lr, gbs):
+                    interval = _Interval()
+                if self.exit_watch.should_stop(self.progress.iteration):
+                    logger.info("stopping at iteration %d (signal, --exit-interval or "
+                                "--exit-duration-in-mins)", self.progress.iteration)
+                    break
+        if self.save is not None:
+            self.save(self.progress)
         self.writer.flush()
         return self.progress
+
+    def _after_step(self, result: StepResult, metrics: m.IntervalMetrics, interval: _Interval,
+                    lr: float, gbs: int) -> bool:
+        """Hooks, logging, evaluation, checks and saving; True if a log line closed the
+        interval."""
+        it = self.progress.iteration
+        if self.on_step is not None:
+            self.on_step(it, result)
+        if it == 1 and self.cfg.logging.memory_report:
+            self._memory_report()
+        logged = it % self.cfg.logging.log_interval == 0
+        if logged:
+            self._log(metrics.collect(), interval, lr, gbs)
+        if it % self.cfg.training.eval_interval == 0 and self.cfg.training.eval_iters > 0:
+            self._evaluate()
+        replicas_every = self.cfg.parallel.check_replicas_interval
+        if replicas_every and it % replicas_every == 0:
+            self.check_replicas()
+        save_every = self.cfg.checkpoint.save_interval
+        if self.save is not None and save_every and it % save_every == 0:
+            self.save(self.progress)
+        return logged
 
     def _step(self) -> tuple[StepResult, float, int]:
         consumed = self.progress.consumed_samples

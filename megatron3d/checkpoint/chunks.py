@@ -1,0 +1,105 @@
+"""Checkpoint contents as layout-independent chunks, and their reassembly for any layout.
+
+A chunk is a piece of one logical tensor ("layers.3.mlp.fc1.weight", kind "weight",
+"exp_avg" or "exp_avg_sq"): the range [start, end) of the flattened local slice that TP rank
+``tp_rank`` of ``tp_size`` holds, plus how that slice was cut from the logical tensor (split
+dimension and stride, padded vocabulary rows). Each rank writes only the chunks it owns:
+its ZeRO slice (or, without ZeRO, data-parallel rank 0 all of it), TP-replicated tensors from
+TP rank 0, tied copies from the first stage. Nothing is gathered to one rank when saving.
+
+Loading into any layout: the chunks of a logical tensor are put back into each saving TP
+rank's local slice, the slices are joined (``tp_unshard``), padding rows are dropped, and the
+result is padded and sliced again for this rank (``tp_shard``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from megatron3d.errors import CheckpointError
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.sharding import tp_shard, tp_unshard
+from megatron3d.mpu.state import ParallelState
+from megatron3d.optim.shard import Shard
+
+KINDS = ("weight", "exp_avg", "exp_avg_sq")
+
+
+def owns(param: nn.Parameter, state: ParallelState, zero_stage: int) -> bool:
+    """Whether this rank writes ``param``'s chunks (each logical element exactly once)."""
+    meta = get_meta(param)
+    if meta.tied_key is not None and not state.is_first_stage:
+        return False
+    if meta.tp_split_dim is None and state.tp.rank != 0:
+        return False
+    return zero_stage == 1 or state.dp.rank == 0
+
+
+def make_chunks(params: list[nn.Parameter], shard: Shard, local: dict[str, torch.Tensor],
+                state: ParallelState, zero_stage: int, kinds: Iterable[str]) -> list[dict]:
+    """This rank's chunks of every kind in ``kinds`` (copied to CPU)."""
+    chunks = []
+    for p in params:
+        if not owns(p, state, zero_stage):
+            continue
+        meta = get_meta(p)
+        split = meta.tp_split_dim is not None  # a replicated tensor is its logical tensor
+        for start, end, offset in shard.parts_of(p):
+            for kind in kinds:
+                chunks.append({
+                    "name": meta.name, "kind": kind, "tp_size": state.tp.size if split else 1,
+                    "tp_rank": state.tp.rank if split else 0, "split_dim": meta.tp_split_dim,
+                    "stride": meta.tp_stride, "logical_rows": meta.logical_rows,
+                    "local_shape": tuple(p.shape), "start": start, "end": end,
+                    "data": local[kind][offset:offset + end - start].detach().cpu().clone()})
+    return chunks
+
+
+def index_chunks(chunks: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
+    index: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for chunk in chunks:
+        index[(chunk["name"], chunk["kind"])].append(chunk)
+    return index
+
+
+def assemble(name: str, kind: str, chunks: list[dict]) -> torch.Tensor:
+    """The logical tensor (padding rows dropped) from all its chunks."""
+    first = chunks[0]
+    slices = [torch.empty(first["local_shape"], dtype=torch.float32)
+              for _ in range(first["tp_size"])]
+    covered = [0] * first["tp_size"]
+    for c in chunks:
+        slices[c["tp_rank"]].view(-1)[c["start"]:c["end"]] = c["data"]
+        covered[c["tp_rank"]] += c["end"] - c["start"]
+    numel = slices[0].numel()
+    if any(n != numel for n in covered):
+        raise CheckpointError(f"checkpoint is incomplete: {name} ({kind}) has "
+                              f"{covered} of {numel} elements per TP rank; a shard file is "
+                              "missing or truncated, load an earlier checkpoint")
+    full = slices[0] if first["split_dim"] is None else tp_unshard(
+        slices, first["split_dim"], first["stride"])
+    return full if first["logical_rows"] is None else full[: first["logical_rows"]]
+
+
+def local_slice(logical: torch.Tensor, param: nn.Parameter, state: ParallelState) -> torch.Tensor:
+    """This rank's slice of a logical tensor, in ``param``'s layout."""
+    meta = get_meta(param)
+    if meta.tp_split_dim is None:
+        full = logical
+    else:
+        full = logical
+        if meta.logical_rows is not None:  # pad the vocabulary rows for this layout
+            rows = param.shape[0] * state.tp.size
+            full = torch.zeros((rows, *logical.shape[1:]), dtype=logical.dtype)
+            full[: logical.shape[0]] = logical
+        full = tp_shard(full, meta.tp_split_dim, state.tp.rank, state.tp.size, meta.tp_stride)
+    if tuple(full.shape) != tuple(param.shape):
+        raise CheckpointError(f"checkpoint tensor {meta.name} has logical shape "
+                              f"{tuple(logical.shape)}, which does not fit this model's "
+                              f"{tuple(param.shape)} slice: the model flags differ from the "
+                              "checkpoint's (try --use-checkpoint-args)")
+    return full

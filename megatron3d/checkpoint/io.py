@@ -1,0 +1,113 @@
+"""Checkpoint files on disk: written atomically, read back with every problem named.
+
+    DIR/latest                      the iteration of the newest complete checkpoint
+    DIR/iter_0000100/meta.json      run state, configuration, layout, format version
+    DIR/iter_0000100/rank_00003.pt  the chunks and RNG states one rank wrote
+
+A checkpoint is first written to ``iter_0000100.tmp/``, renamed when every rank's file is in
+place, and only then does ``latest`` (written to a temporary name and renamed) point at it. A
+process killed at any moment therefore leaves ``latest`` naming a complete checkpoint. The
+directory must be shared by all nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron3d.errors import CheckpointError
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+
+
+def iteration_dir(root: Path, iteration: int) -> Path:
+    return root / f"iter_{iteration:07d}"
+
+
+def rank_file(directory: Path, rank: int) -> Path:
+    return directory / f"rank_{rank:05d}.pt"
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_rank(directory: Path, rank: int, payload: dict[str, Any]) -> None:
+    _atomic_write(rank_file(directory, rank), lambda f: torch.save(payload, f))
+
+
+def write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    text = json.dumps(meta, indent=1, sort_keys=True).encode()
+    _atomic_write(directory / "meta.json", lambda f: f.write(text))
+
+
+def publish(root: Path, iteration: int) -> None:
+    """Make the finished ``.tmp`` directory the checkpoint and point ``latest`` at it."""
+    final = iteration_dir(root, iteration)
+    os.replace(final.with_name(final.name + ".tmp"), final)
+    _atomic_write(root / LATEST, lambda f: f.write(f"{iteration}\n".encode()))
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest`` names)."""
+    latest = read_latest(root)
+    done = sorted(p for p in root.glob("iter_*") if not p.name.endswith(".tmp"))
+    for old in done[:-keep_last] if keep_last > 0 else []:
+        if old != iteration_dir(root, latest):
+            shutil.rmtree(old)
+
+
+def read_latest(root: Path) -> int:
+    path = root / LATEST
+    if not path.exists():
+        raise CheckpointError(f"{root} holds checkpoints but no '{LATEST}' file naming the "
+                              "complete one: write the iteration to load into it, or --load "
+                              "another directory")
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}")
+    return int(text)
+
+
+def has_checkpoints(root: Path) -> bool:
+    """False for a missing or empty directory (a first run starts from scratch)."""
+    return root.is_dir() and any(root.iterdir())
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    path = directory / "meta.json"
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err.msg}); the file is "
+                              "damaged") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {meta.get('format_version')}, this "
+                              f"megatron3d reads version {FORMAT_VERSION}")
+    return meta
+
+
+def read_rank(directory: Path, rank: int) -> dict[str, Any]:
+    path = rank_file(directory, rank)
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: the checkpoint was saved by more ranks than "
+                              "left files; load an earlier checkpoint")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0]}); it is truncated or damaged, load "
+                              "an earlier checkpoint") from None

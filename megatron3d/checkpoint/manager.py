@@ -1,0 +1,171 @@
+"""Save a run's state, and load it into any layout.
+
+What a checkpoint holds: the fp32 weights and Adam moments as layout-free chunks (see
+``chunks.py``), Adam's step, the loss scaler, the iteration and consumed samples/tokens (which
+fix the data position, batch size and learning rate), every rank's RNG states, the full
+configuration and the layout it was saved with. The RNG states are restored only into the same
+layout; a resharded run continues with fresh dropout streams, which it reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from megatron3d.checkpoint import io
+from megatron3d.checkpoint.chunks import KINDS, assemble, index_chunks, local_slice, make_chunks
+from megatron3d.config import ModelConfig, TrainConfig
+from megatron3d.errors import CheckpointError, ConfigError
+from megatron3d.log import get_logger
+from megatron3d.mpu import comm
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.random import RNGStreams
+from megatron3d.mpu.state import ParallelState
+from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+
+logger = get_logger(__name__)
+
+# Model fields that may differ from the checkpoint's: they change how the model runs, not
+# which model it is.
+RUN_ONLY_MODEL_FIELDS = {"checkpoint_activations", "hidden_dropout", "attention_dropout"}
+
+
+@dataclass(frozen=True)
+class Progress:
+    iteration: int
+    consumed_samples: int
+    consumed_tokens: int
+
+
+def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
+    return {"world_size": state.world_size, "tp": state.tp.size, "pp": state.pp.size,
+            "dp": state.dp.size, "zero_stage": cfg.parallel.zero_stage}
+
+
+def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
+         optimizer: MixedPrecisionOptimizer, progress: Progress, rng: RNGStreams) -> None:
+    """Every rank writes its own file; rank 0 publishes the checkpoint when all are done."""
+    path = Path(root)
+    final = io.iteration_dir(path, progress.iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    if final.exists():  # saved already (e.g. the interval and an exit on the same step)
+        return
+    if state.world_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
+        tmp.mkdir(parents=True)
+    comm.barrier(state.world)
+    local = optimizer.local_state()
+    chunks = make_chunks(params, optimizer.shard, local, state, cfg.parallel.zero_stage, KINDS)
+    io.write_rank(tmp, state.world_rank, {"chunks": chunks, "rng": _capture_rng(rng)})
+    comm.barrier(state.world)
+    if state.world_rank == 0:
+        io.write_meta(tmp, {
+            "format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress),
+            "adam_step": float(local["step"]), "layout": layout(cfg, state),
+            "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
+            "config": dataclasses.asdict(cfg)})
+        io.publish(path, progress.iteration)
+        if cfg.checkpoint.keep_last_n:
+            io.prune(path, cfg.checkpoint.keep_last_n)
+    comm.barrier(state.world)
+    logger.info("saved checkpoint at iteration %d to %s", progress.iteration, final)
+
+
+def find(root: str) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None for an empty or missing dir."""
+    path = Path(root)
+    if not io.has_checkpoints(path):
+        return None
+    return io.iteration_dir(path, io.read_latest(path))
+
+
+def checkpoint_config(directory: Path) -> dict[str, Any]:
+    return io.read_meta(directory)["config"]
+
+
+def with_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
+    """--use-checkpoint-args: the model flags of the checkpoint in --load (activation
+    checkpointing stays this run's choice)."""
+    if not cfg.checkpoint.use_checkpoint_args:
+        return cfg
+    directory = find(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    if directory is None:
+        raise ConfigError(f"--use-checkpoint-args needs a checkpoint in --load, found none in "
+                          f"{cfg.checkpoint.load!r}: drop the flag or point --load at one")
+    saved = dict(checkpoint_config(directory)["model"])
+    saved["checkpoint_activations"] = cfg.model.checkpoint_activations
+    return dataclasses.replace(cfg, model=ModelConfig(**saved))
+
+
+def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
+    """Fail on model differences; print the allowed differences that will be applied."""
+    mine = dataclasses.asdict(cfg)
+    wrong = [f"{k}: checkpoint {saved['model'].get(k)!r} vs {v!r}"
+             for k, v in mine["model"].items()
+             if k not in RUN_ONLY_MODEL_FIELDS and saved["model"].get(k) != v]
+    if wrong:
+        raise CheckpointError("the checkpoint is of a different model (" + "; ".join(wrong)
+                              + "): change these flags or pass --use-checkpoint-args")
+    changed = [f"{section}.{k}: {saved[section].get(k)!r} -> {v!r}"
+               for section, values in mine.items() if section != "checkpoint"
+               for k, v in values.items() if _norm(saved[section].get(k)) != _norm(v)]
+    if changed:
+        logger.info("applying settings that differ from the checkpoint's: %s", "; ".join(changed))
+
+
+def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
+         optimizer: MixedPrecisionOptimizer, rng: RNGStreams, weights_only: bool) -> Progress:
+    """Install the checkpoint into this rank's parameters and optimizer shard."""
+    meta = io.read_meta(directory)
+    check_model_matches(cfg, meta["config"])
+    files = [io.read_rank(directory, r) for r in range(meta["layout"]["world_size"])]
+    index = index_chunks(c for f in files for c in f["chunks"])
+    kinds = ("weight",) if weights_only else KINDS
+    target = {k: torch.zeros(optimizer.shard.numel, dtype=torch.float32) for k in KINDS}
+    for p in params:
+        name = get_meta(p).name
+        for kind in kinds:
+            if (name, kind) not in index:
+                raise CheckpointError(f"{directory} has no {kind} of {name}: a shard file is "
+                                      "missing, or the model differs")
+            mine = local_slice(assemble(name, kind, index[(name, kind)]), p, state).reshape(-1)
+            for start, end, offset in optimizer.shard.parts_of(p):
+                target[kind][offset:offset + end - start] = mine[start:end]
+    device = optimizer.shard.grads.device
+    target = {k: v.to(device) for k, v in target.items()}
+    target["step"] = torch.tensor(meta["adam_step"])
+    optimizer.load_local_state(target, weights_only)
+    if weights_only:
+        return Progress(0, 0, 0)
+    if optimizer.scaler is not None and meta["loss_scaler"] is not None:
+        optimizer.scaler.load_state_dict(meta["loss_scaler"])
+    if meta["layout"] == layout(cfg, state):
+        _restore_rng(rng, files[state.world_rank]["rng"])
+    else:
+        logger.info("the checkpoint's layout %s differs from this run's %s: weights and "
+                    "optimizer state are resharded, dropout RNG streams start fresh",
+                    meta["layout"], layout(cfg, state))
+    return Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"])
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _capture_rng(rng: RNGStreams) -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": rng.get_state()}
+
+
+def _restore_rng(rng: RNGStreams, saved: dict[str, Any]) -> None:
+    random.setstate(saved["python"])
+    np.random.set_state(saved["numpy"])
+    rng.set_state({k: v.clone() for k, v in saved["torch"].items()})

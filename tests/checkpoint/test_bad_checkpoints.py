@@ -1,0 +1,81 @@
+"""A bad checkpoint gives one clear error and changes nothing on disk; --finetune and
+--use-checkpoint-args load what they say."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+import pretrain_gpt
+from tests.helpers.tiny import train_argv
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt") / "run"
+    assert pretrain_gpt.main(train_argv("gpt2", 3, "--save", str(root))) == 0
+    assert (root / "latest").read_text().strip() == "3"
+    return root
+
+
+def _damage_missing_shard(root: Path) -> None:
+    (root / "iter_0000003" / "rank_00000.pt").unlink()
+
+
+def _damage_truncated(root: Path) -> None:
+    path = root / "iter_0000003" / "rank_00000.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _damage_latest(root: Path) -> None:
+    (root / "latest").unlink()
+
+
+@pytest.mark.parametrize(("damage", "expected"), [
+    (_damage_missing_shard, "rank_00000.pt is missing"),
+    (_damage_truncated, "cannot be read"),
+    (_damage_latest, "no 'latest' file"),
+], ids=["missing shard", "truncated file", "missing latest"])
+def test_damaged_checkpoint_fails_with_one_line(checkpoint, tmp_path, capsys, damage, expected):
+    root = tmp_path / "copy"
+    shutil.copytree(checkpoint, root)
+    damage(root)
+    before = _tree(root)
+    assert pretrain_gpt.main(train_argv("gpt2", 5, "--load", str(root))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert _tree(root) == before
+
+
+def test_a_different_model_is_refused(checkpoint, capsys):
+    before = _tree(checkpoint)
+    assert pretrain_gpt.main(train_argv("gpt2", 5, "--load", str(checkpoint),
+                                        "--hidden-size", "64")) == 2
+    err = capsys.readouterr().err
+    assert "different model" in err and "hidden_size" in err and err.count("\n") == 1, err
+    assert _tree(checkpoint) == before
+
+
+def test_use_checkpoint_args_needs_no_model_flags(checkpoint, capsys):
+    argv = train_argv("gpt2", 5, "--load", str(checkpoint), "--use-checkpoint-args")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads"):
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    assert pretrain_gpt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "loaded" in out and "iteration        4/" in out  # resumed after iteration 3
+
+
+def test_finetune_loads_weights_and_starts_at_zero(checkpoint, capsys):
+    assert pretrain_gpt.main(train_argv("gpt2", 3, "--load", str(checkpoint),
+                                        "--finetune")) == 0
+    out = capsys.readouterr().out
+    assert "iteration        1/" in out and "loaded" in out
