@@ -10,6 +10,13 @@ TP rank 0, tied copies from the first stage. Nothing is gathered to one rank whe
 Loading into any layout: the chunks of a logical tensor are put back into each saving TP
 rank's local slice, the slices are joined (``tp_unshard``), padding rows are dropped, and the
 result is padded and sliced again for this rank (``tp_shard``).
+
+Why not torch.distributed.checkpoint: it reshards tensors described as DTensor or
+ShardedTensor placements (even, contiguous shards per dimension). Ours are not: a SwiGLU
+weight is split with stride 2 (each rank holds a gate block and an up block), vocabulary
+tables carry layout-dependent padding rows, and ZeRO slices cut flat buffers across parameter
+boundaries. Describing those as placements would mean faking the layout; the chunk form says
+exactly what each rank holds and reuses the one definition of the layout (``sharding.py``).
 """
 
 from __future__ import annotations

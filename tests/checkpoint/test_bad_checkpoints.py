@@ -74,8 +74,23 @@ def test_use_checkpoint_args_needs_no_model_flags(checkpoint, capsys):
     assert "loaded" in out and "iteration        4/" in out  # resumed after iteration 3
 
 
+def _first_loss(out: str) -> float:
+    line = next(ln for ln in out.splitlines() if ln.startswith(" iteration        1/"))
+    return float(line.split("lm loss: ")[1].split()[0])
+
+
 def test_finetune_loads_weights_and_starts_at_zero(checkpoint, capsys):
+    assert pretrain_gpt.main(train_argv("gpt2", 3)) == 0
+    scratch = _first_loss(capsys.readouterr().out)
     assert pretrain_gpt.main(train_argv("gpt2", 3, "--load", str(checkpoint),
                                         "--finetune")) == 0
     out = capsys.readouterr().out
-    assert "iteration        1/" in out and "loaded" in out
+    assert "loaded" in out
+    assert _first_loss(out) < scratch  # same first batch, trained weights
+
+
+def test_keep_last_n_prunes_old_checkpoints(tmp_path):
+    root = tmp_path / "run"
+    assert pretrain_gpt.main(train_argv("gpt2", 5, "--save", str(root), "--save-interval", "1",
+                                        "--keep-last-n", "2")) == 0
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "iter_0000005", "latest"]
