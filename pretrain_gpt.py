@@ -8,6 +8,7 @@ line saying what to fix, before any process group or model exists.
 from __future__ import annotations
 
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -28,6 +29,7 @@ logger = get_logger("pretrain_gpt")
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # --exit-duration-in-mins counts start-up and loading too
     env = devices.launch_env()
     try:
         cfg = checkpoint.with_checkpoint_args(parse_args(argv))
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info(format_config(cfg))
         logger.info(state.topology.table())
         logger.info("device: %s", devices.describe(dev))
-        trainer = build_trainer(cfg, state, dev)
+        trainer = build_trainer(cfg, state, dev, started)
     except Megatron3dError as err:  # e.g. a pipeline partition that leaves a stage empty
         sys.stderr.write(f"error: {err}\n")
         dist.destroy_process_group()

@@ -81,8 +81,29 @@ def read_latest(root: Path) -> int:
 
 
 def has_checkpoints(root: Path) -> bool:
-    """False for a missing or empty directory (a first run starts from scratch)."""
-    return root.is_dir() and any(root.iterdir())
+    """False when there is no complete or published checkpoint: a missing or empty directory,
+    or only the ``.tmp`` leftovers of a first save that was killed (a first run, or its
+    requeue, starts from scratch)."""
+    if not root.is_dir():
+        return False
+    return (root / LATEST).exists() or any(
+        p.name.startswith("iter_") and not p.name.endswith(".tmp") for p in root.iterdir())
+
+
+def clear_for_save(root: Path, iteration: int) -> None:
+    """Remove what killed saves left (every ``.tmp`` directory) and an ``iter_`` directory of
+    this iteration that ``latest`` does not name (renamed, but its save never published)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for tmp in root.glob("iter_*.tmp"):
+        shutil.rmtree(tmp)
+    final = iteration_dir(root, iteration)
+    if final.exists():
+        shutil.rmtree(final)
+
+
+def is_published(root: Path, iteration: int) -> bool:
+    """Whether ``latest`` already names this iteration (saved twice at one step)."""
+    return (root / LATEST).exists() and read_latest(root) == iteration
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

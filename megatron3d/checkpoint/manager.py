@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,11 +55,11 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
     path = Path(root)
     final = io.iteration_dir(path, progress.iteration)
     tmp = final.with_name(final.name + ".tmp")
-    if final.exists():  # saved already (e.g. the interval and an exit on the same step)
+    if io.is_published(path, progress.iteration):  # e.g. the interval and the end coincide
         return
     if state.world_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed earlier
-        tmp.mkdir(parents=True)
+        io.clear_for_save(path, progress.iteration)
+        tmp.mkdir()
     comm.barrier(state.world)
     local = optimizer.local_state()
     chunks = make_chunks(params, optimizer.shard, local, state, cfg.parallel.zero_stage, KINDS)

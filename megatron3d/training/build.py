@@ -48,7 +48,9 @@ def logging_rank(state: ParallelState) -> int:
     return state.world_size - 1
 
 
-def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> Trainer:
+def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
+                  started: float | None = None) -> Trainer:
+    """``started``: ``time.monotonic()`` at process start, for --exit-duration-in-mins."""
     schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
     total_iters, train_samples = run_length(cfg, schedule)
     data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule))
@@ -92,7 +94,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device) -> 
         check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp,
         save=functools.partial(_save, cfg, state, params, optimizer, rng)
         if cfg.checkpoint.save else None,
-        exit_watch=ExitWatch(cfg.checkpoint, state.world), progress=progress)
+        exit_watch=ExitWatch(cfg.checkpoint, state.world, started), progress=progress)
 
 
 def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext) -> PipelineEngine:

@@ -21,9 +21,12 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ExitWatch:
-    def __init__(self, cfg: CheckpointConfig, world: AxisGroup) -> None:
+    def __init__(self, cfg: CheckpointConfig, world: AxisGroup,
+                 started: float | None = None) -> None:
+        """``started``: ``time.monotonic()`` when the job started (--exit-duration-in-mins
+        counts start-up and checkpoint loading too); default now."""
         self.cfg, self.world = cfg, world
-        self.start = time.monotonic()
+        self.start = time.monotonic() if started is None else started
         self.signalled = False
         self.active = bool(cfg.save or cfg.exit_interval or cfg.exit_duration_in_mins)
         self._previous: dict[int, object] = {}

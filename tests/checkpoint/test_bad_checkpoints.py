@@ -94,3 +94,15 @@ def test_keep_last_n_prunes_old_checkpoints(tmp_path):
     assert pretrain_gpt.main(train_argv("gpt2", 5, "--save", str(root), "--save-interval", "1",
                                         "--keep-last-n", "2")) == 0
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "iter_0000005", "latest"]
+
+
+def test_saving_removes_what_killed_saves_left(checkpoint, tmp_path):
+    root = tmp_path / "copy"
+    shutil.copytree(checkpoint, root)
+    (root / "iter_0000006.tmp").mkdir()  # a save of another iteration, killed
+    (root / "iter_0000004").mkdir()  # renamed, but its save never reached 'latest'
+    assert pretrain_gpt.main(train_argv("gpt2", 4, "--load", str(root), "--save",
+                                        str(root))) == 0
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", "iter_0000004", "latest"]
+    assert (root / "iter_0000004" / "meta.json").exists()
+    assert (root / "latest").read_text().strip() == "4"

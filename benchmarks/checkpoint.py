@@ -1,0 +1,313 @@
+"""How long do saving and loading take, and how much memory do they need, against size and
+layout?
+
+For each layout (1 rank; 4 ranks as DP=4 ZeRO-1; 4 ranks as TP=2 x DP=2 ZeRO-0) gloo
+processes (one thread each) build the trainer ``pretrain_gpt.py`` builds, for each model size
+in ``--hidden``:
+
+- save: ``trainer.save(trainer.progress)``, the call ``Trainer.run`` makes (every rank writes
+  its own chunks, fsyncs, rank 0 writes meta.json and publishes). Timed on every rank from a
+  barrier to the return (the save ends with a barrier, so this is the slowest rank's time).
+- load: a fresh trainer built with ``--load`` on the checkpoint just written, as a resumed run
+  does. ``checkpoint.load`` inside the build is timed on its own (a wrapper around
+  ``megatron3d.checkpoint.manager.load``, which ``build_trainer`` calls); the whole build
+  (model init + load) is shown next to it.
+
+Memory: the peak resident set size (RSS) of each process during the call, above its RSS when
+the call starts. The kernel's high-water mark (``VmHWM``) is reset through
+``/proc/self/clear_refs`` right before the call and read right after, so it covers every
+allocation (torch's tensor storage, pickling buffers, file pages mapped by ``torch.load``'s
+mmap), not only Python's allocator as tracemalloc would. Without a writable ``clear_refs``
+(not Linux) the lifetime peak from ``resource.getrusage`` is used and the header says so.
+
+No training step is taken: the Adam moments are zeros, which takes the same bytes on disk and
+the same time (torch.save does not compress). The checkpoint is read back right after it was
+written, so the load reads from the page cache, not the disk; the save includes fsync. Four
+ranks on a machine with fewer cores share them, so the 4-rank/1-rank time ratios are
+indicative only; the sizes do not depend on the machine.
+
+    python benchmarks/checkpoint.py
+    python benchmarks/checkpoint.py --hidden 256 1024 --layers 8 --dir /fast/scratch
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import spawn  # noqa: E402
+from megatron3d import device as devices  # noqa: E402
+from megatron3d.arguments import parse_args  # noqa: E402
+from megatron3d.checkpoint import manager  # noqa: E402
+from megatron3d.mpu.state import ParallelState  # noqa: E402
+from megatron3d.training.build import build_trainer  # noqa: E402
+from megatron3d.training.loop import Trainer  # noqa: E402
+from megatron3d.validation import validate  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    tp: int
+    dp: int
+    zero_stage: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+
+LAYOUTS = [Layout("1 rank", 1, 1, 0), Layout("DP=4 ZeRO-1", 1, 4, 1),
+           Layout("TP=2 x DP=2 ZeRO-0", 2, 2, 0)]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One rank, one model size."""
+
+    params: int  # parameters on this rank (TP slices counted once per rank)
+    file_bytes: int  # this rank's rank_XXXXX.pt
+    dir_bytes: int  # the whole iter_ directory (rank 0 only, else 0)
+    save_s: float
+    save_peak: int  # bytes of RSS above the start of the call
+    load_s: float  # checkpoint.load alone
+    build_load_s: float  # build_trainer with --load (model init + load)
+    load_peak: int
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+def _status_kib(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M)[1])
+
+
+def _can_reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        _status_kib("VmHWM")
+        return True
+    except (OSError, TypeError):
+        return False
+
+
+class PeakRSS:
+    """Peak RSS above the RSS at ``__enter__`` (bytes); exact where the peak can be reset."""
+
+    def __init__(self) -> None:
+        self.exact = _can_reset_peak()
+        self.peak = 0
+
+    def _rss(self) -> int:
+        if self.exact:
+            return _status_kib("VmRSS") * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def __enter__(self) -> PeakRSS:
+        gc.collect()
+        if self.exact:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        self.start = self._rss()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        high = (_status_kib("VmHWM") * 1024 if self.exact
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        self.peak = max(0, high - self.start)
+
+
+# --- one rank --------------------------------------------------------------------------------
+
+def _argv(a: argparse.Namespace, hidden: int, layout: Layout, directory: Path) -> list[str]:
+    return ["--num-layers", str(a.layers), "--hidden-size", str(hidden),
+            "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
+            "--micro-batch-size", str(a.micro_batch),
+            "--global-batch-size", str(a.micro_batch * layout.dp), "--train-iters", "1",
+            "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
+            "--vocab-size", str(a.vocab), "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--tensor-model-parallel-size", str(layout.tp),
+            "--zero-stage", str(layout.zero_stage), "--save", str(directory)]
+
+
+def _build(argv: list[str], state: ParallelState) -> tuple[Trainer, float]:
+    cfg = parse_args(argv)
+    validate(cfg, state.world_size)
+    start = time.perf_counter()
+    trainer = build_trainer(cfg, state, torch.device("cpu"))
+    return trainer, time.perf_counter() - start
+
+
+def _one_size(a: argparse.Namespace, hidden: int, layout: Layout, state: ParallelState,
+              root: Path) -> Measured:
+    directory = root / f"hidden_{hidden}"
+    argv = _argv(a, hidden, layout, directory)
+    trainer, _ = _build(argv, state)
+    params = sum(p.numel() for p in trainer.engine.stage.parameters())
+    dist.barrier()
+    with PeakRSS() as save_mem:
+        start = time.perf_counter()
+        trainer.save(trainer.progress)
+        save_s = time.perf_counter() - start
+    saved = directory / f"iter_{trainer.progress.iteration:07d}"
+    file_bytes = (saved / f"rank_{state.world_rank:05d}.pt").stat().st_size
+    dir_bytes = (sum(f.stat().st_size for f in saved.iterdir())
+                 if state.world_rank == 0 else 0)
+    del trainer
+    gc.collect()
+    dist.barrier()
+
+    timed: dict[str, float] = {}
+    load_mem = PeakRSS()
+    original = manager.load
+
+    def timed_load(*args, **kwargs):
+        with load_mem:
+            begin = time.perf_counter()
+            progress = original(*args, **kwargs)
+            timed["load"] = time.perf_counter() - begin
+        return progress
+
+    manager.load = timed_load
+    try:
+        trainer, build_load_s = _build([*argv, "--load", str(directory)], state)
+    finally:
+        manager.load = original
+    if "load" not in timed:
+        raise RuntimeError(f"build_trainer did not call checkpoint.load on {directory}")
+    del trainer
+    gc.collect()
+    dist.barrier()
+    if state.world_rank == 0:
+        shutil.rmtree(directory)
+    dist.barrier()
+    return Measured(params, file_bytes, dir_bytes, save_s, save_mem.peak, timed["load"],
+                    build_load_s, load_mem.peak)
+
+
+def _measure(a: argparse.Namespace, layout: Layout, root: str) -> tuple[str, bool, list]:
+    """One rank of ``layout``: every size in turn."""
+    state = ParallelState.build(layout.tp, 1)
+    exact = PeakRSS().exact
+    results = [_one_size(a, hidden, layout, state, Path(root)) for hidden in a.hidden]
+    return devices.describe(torch.device("cpu")), exact, results
+
+
+# --- report ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Row:
+    """One layout at one size, over its ranks."""
+
+    params: int  # logical parameters (from the 1-rank run) or on the largest rank
+    disk: int
+    largest_file: int
+    save_s: float  # slowest rank
+    load_s: float
+    build_load_s: float
+    save_peak: int  # largest rank
+    load_peak: int
+    save_peak_sum: int  # all ranks together
+    load_peak_sum: int
+
+
+def _row(ranks: list[Measured]) -> Row:
+    return Row(params=max(r.params for r in ranks), disk=sum(r.dir_bytes for r in ranks),
+               largest_file=max(r.file_bytes for r in ranks),
+               save_s=max(r.save_s for r in ranks), load_s=max(r.load_s for r in ranks),
+               build_load_s=max(r.build_load_s for r in ranks),
+               save_peak=max(r.save_peak for r in ranks),
+               load_peak=max(r.load_peak for r in ranks),
+               save_peak_sum=sum(r.save_peak for r in ranks),
+               load_peak_sum=sum(r.load_peak for r in ranks))
+
+
+def _ratio(x: float, base: float) -> str:
+    return f"{x / base:.2f}" if base > 0 else "-"
+
+
+def _table(hidden: int, rows: dict[str, Row]) -> list[str]:
+    base = rows[LAYOUTS[0].name]
+    lines = [f"hidden {hidden}: {base.params:,} parameters, checkpoint {base.disk / MIB:.1f} MiB "
+             "on one rank",
+             f"  {'layout':<20} {'on disk':>9} {'max file':>9} {'save s':>7} {'load s':>7} "
+             f"{'build+load s':>12} {'save peak/rank':>15} {'load peak/rank':>15} "
+             f"{'peak sum save/load':>19} | {'4r/1r: save':>11} {'load':>5} {'peak save':>9} "
+             f"{'peak load':>9} {'disk':>5}"]
+    for name, r in rows.items():
+        ratios = "" if r is base else (
+            f"{_ratio(r.save_s, base.save_s):>11} {_ratio(r.load_s, base.load_s):>5} "
+            f"{_ratio(r.save_peak, base.save_peak):>9} "
+            f"{_ratio(r.load_peak, base.load_peak):>9} {_ratio(r.disk, base.disk):>5}")
+        lines.append(
+            f"  {name:<20} {r.disk / MIB:>5.1f} MiB {r.largest_file / MIB:>5.1f} MiB "
+            f"{r.save_s:>7.3f} {r.load_s:>7.3f} {r.build_load_s:>12.3f} "
+            f"{r.save_peak / MIB:>11.1f} MiB {r.load_peak / MIB:>11.1f} MiB "
+            f"{r.save_peak_sum / MIB:>7.0f} /{r.load_peak_sum / MIB:>6.0f} MiB | {ratios}")
+    return lines
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 768],
+                   help="model sizes: the hidden size of each (default 256 512 768)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--dir", default=None,
+                   help="where to write the checkpoints (default: a temporary directory)")
+    return p.parse_args()
+
+
+def main() -> None:
+    a = _args()
+    out, start = sys.stdout, time.perf_counter()
+    out.write(f"model: GPT layers={a.layers} hidden={a.hidden} heads={a.heads} seq={a.seq} "
+              f"vocab={a.vocab}, fp32 weights + Adam moments (12 bytes a parameter)\n")
+    by_layout: dict[str, list[list[Measured]]] = {}
+    with tempfile.TemporaryDirectory(prefix="m3d_ckpt_bench_", dir=a.dir) as root:
+        for layout in LAYOUTS:
+            replies = spawn(_measure, layout.world, a, layout, root, timeout_s=600.0)
+            if layout is LAYOUTS[0]:
+                machine, exact = replies[0][0], replies[0][1]
+                out.write(f"machine (each rank, gloo on CPU): {machine}; main process: "
+                          f"{devices.describe(torch.device('cpu'))}; up to "
+                          f"{max(x.world for x in LAYOUTS)} ranks share {os.cpu_count()} "
+                          "cores\n")
+                out.write("memory: " + (
+                    "peak RSS above the call's start, per process (VmHWM reset via "
+                    "/proc/self/clear_refs)" if exact else
+                    "lifetime peak RSS from getrusage (could not reset the peak: the "
+                    "figures include everything before the call)") + "; a rank's RSS "
+                    "counts the pages of checkpoint files it maps, which ranks on one node "
+                    "share, so the sums over ranks overstate physical memory\n")
+                out.write("times: slowest rank; the load re-reads a just-written file "
+                          "(page cache); save includes fsync\n")
+            by_layout[layout.name] = [r for _, _, r in replies]
+            out.flush()
+    for i, hidden in enumerate(a.hidden):
+        rows = {name: _row([ranks[i] for ranks in per_rank])
+                for name, per_rank in by_layout.items()}
+        out.write("\n".join(_table(hidden, rows)) + "\n")
+    out.write(f"wall time: {time.perf_counter() - start:.1f} s\n")
+
+
+if __name__ == "__main__":
+    main()
