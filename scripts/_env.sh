@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by quickstart.sh and test.sh: create the venv under the repo once and install
 # megatron3d into it. torch==2.13.0 goes first (a CPU wheel on these machines; any other
 # version would download a multi-GB CUDA build).
@@ -14,7 +15,7 @@ STAMP="$VENV/.megatron3d-setup.sha"
 WANT="$(sha256sum "$ROOT/setup.py" | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   python -m pip install --quiet "torch==2.13.0"
-  python -m pip install --quiet -e "$ROOT[test,dev]"
+  python -m pip install --quiet -e "${ROOT}[test,dev]"
   echo "$WANT" > "$STAMP"
 fi
 cd "$ROOT"

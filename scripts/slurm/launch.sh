@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# The launch logic shared by every sbatch script in this folder. A script sets the variables
+# below and then `source`s this file as its last line; it runs in the batch shell (on the first
+# node of the allocation) and starts one task per node with srun, each running torchrun.
+#
+#   GPUS_PER_NODE      worker processes per node (the GPUs of a node; on CPU any number)
+#   TRAIN_ARGS         array of pretrain_gpt.py flags: model, layout, batch, data, logging
+#   CHECKPOINT_DIR     passed as both --save and --load: a requeued job reruns the same command
+#                      and resumes from CHECKPOINT_DIR/latest (an empty dir starts from scratch)
+#   SAVE_INTERVAL      --save-interval
+# Optional:
+#   MEGATRON3D_DIR     the repository (default: the directory sbatch was run from)
+#   VENV               virtualenv to activate (default: MEGATRON3D_DIR/.venv when it exists)
+#   MASTER_PORT        rendezvous port (default: 20000 + job id % 10000, so that two jobs
+#                      sharing a first node do not collide)
+#   REQUEUE_ON_SIGNAL  1 (default): after a SIGUSR1-triggered save, requeue the job; 0: stop
+#   LAUNCH_DRY_RUN     1: print the srun command line and exit without running anything
+#
+# How the time-limit warning becomes a checkpoint (the scripts set `--signal=B:USR1@SECONDS`):
+#   1. Slurm sends SIGUSR1 to this batch shell only (the "B:"); the trap below catches it.
+#   2. The trap forwards it with `scancel --signal=USR1 $SLURM_JOB_ID`. Without --batch/--full,
+#      scancel signals every process of every job step on every node, but not the batch shell.
+#      It repeats that every 20 s until the step ends, for workers that were still starting.
+#   3. torchrun would die on SIGUSR1 (its default action) and orphan its workers, which then
+#      never save. So each node starts torchrun with SIGUSR1 ignored (`trap "" USR1` before
+#      exec); the workers inherit the ignored disposition, and pretrain_gpt.py installs its own
+#      handler once training starts (megatron3d/training/exit_watch.py).
+#      Not `pkill -USR1 -f pretrain_gpt.py`: the pattern also matches torchrun's own command
+#      line, and other jobs on a shared node. Not torchrun's `--signals-to-handle ...,SIGUSR1`:
+#      it forwards the signal but then exits 1 and kills workers still saving after 30 s.
+#   4. Every worker finishes its step, all ranks agree to stop, save a checkpoint, exit 0;
+#      torchrun then exits 0 and the step ends.
+#   5. This shell requeues the job (`scontrol requeue`): Slurm ends this run and queues the same
+#      job again, which resumes from CHECKPOINT_DIR/latest. Keep `#SBATCH --open-mode=append`
+#      so both runs stay in one log.
+# By hand: `scancel --signal=USR1 --batch JOBID` saves, stops and requeues (the path above);
+# `scancel --signal=USR1 JOBID` (steps only) saves and stops, and the job ends COMPLETED.
+# Preemption and `scancel JOBID` send SIGTERM to every process: torchrun forwards it to the
+# workers, which save at the next step boundary, and kills them after 30 s (its shutdown
+# timeout); Slurm kills everything after KillWait. A preempted job with --requeue is requeued
+# by Slurm itself. (Where the site sets SlurmctldParameters=preempt_send_user_signal and a
+# GraceTime, preemption sends the --signal first, and the path above saves.)
+set -euo pipefail
+
+die() { echo "launch.sh: error: $*" >&2; exit 2; }
+
+: "${GPUS_PER_NODE:?set GPUS_PER_NODE (worker processes per node) before sourcing launch.sh}"
+: "${CHECKPOINT_DIR:?set CHECKPOINT_DIR (--save and --load) before sourcing launch.sh}"
+: "${SAVE_INTERVAL:?set SAVE_INTERVAL (--save-interval) before sourcing launch.sh}"
+declare -p TRAIN_ARGS >/dev/null 2>&1 || die "set the TRAIN_ARGS array before sourcing"
+: "${SLURM_JOB_ID:?not inside a Slurm job: submit with sbatch (or set LAUNCH_DRY_RUN=1 and a fake allocation)}"
+: "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}"
+: "${SLURM_NNODES:?SLURM_NNODES is not set}"
+MEGATRON3D_DIR="${MEGATRON3D_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
+[ -f "$MEGATRON3D_DIR/pretrain_gpt.py" ] \
+  || die "no pretrain_gpt.py in $MEGATRON3D_DIR: submit from the repository or set MEGATRON3D_DIR"
+
+# --- Signals first: a warning that arrives while the job starts up must not be lost. ---------
+STOP_REQUESTED=0
+INTERRUPTED=0
+RESENDER_PID=
+# shellcheck disable=SC2317  # the handlers run from `trap`, which shellcheck cannot see
+on_usr1() {
+  INTERRUPTED=1
+  [ "$STOP_REQUESTED" = 0 ] || return 0
+  STOP_REQUESTED=1
+  echo "launch.sh: SIGUSR1 (time limit warning or by hand): asking the workers to save and stop"
+  scancel --signal=USR1 "$SLURM_JOB_ID" || echo "launch.sh: scancel failed" >&2
+  # Workers still starting up (building the model, loading a checkpoint) have no handler yet
+  # and ignore SIGUSR1, so repeat it until the step ends; a second one changes nothing.
+  (while sleep 20; do scancel --signal=USR1 "$SLURM_JOB_ID" 2>/dev/null || true; done) &
+  RESENDER_PID=$!
+}
+# shellcheck disable=SC2317
+on_term() {
+  INTERRUPTED=1
+  echo "launch.sh: SIGTERM: the workers save at their next step if time allows"
+}
+trap on_usr1 USR1
+trap on_term TERM
+
+# --- Environment of every worker (srun passes the batch shell's environment to each node). --
+# Workers use one OpenMP thread each (torchrun's default too): GPUs do the math, and more
+# threads per process would oversubscribe the node's cores.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# One hardware queue per GPU, so kernels start in the order they are issued: a tensor-parallel
+# collective issued before a GEMM starts before it (Megatron's communication overlap needs it).
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# A failed or timed-out NCCL collective aborts the process instead of hanging; torchrun exits
+# non-zero and srun --kill-on-bad-exit ends the job rather than burning it to the time limit.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# NCCL prints warnings only; set INFO to see the chosen network, rings and trees.
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# Log lines reach the job's log as they are printed, and fatal signals print a Python stack.
+export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1
+# Slurm 22.05+ no longer passes the job's --cpus-per-task to srun: the task on each node runs
+# every worker of the node, so give it all the CPUs the job has there.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+  export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
+fi
+
+# --- Rendezvous: the first node of the allocation hosts torchrun's c10d store. ---------------
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+[ "${#NODES[@]}" -eq "$SLURM_NNODES" ] \
+  || die "SLURM_JOB_NODELIST expands to ${#NODES[@]} hosts, SLURM_NNODES is $SLURM_NNODES"
+MASTER_ADDR="${NODES[0]}"
+MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
+
+# The same command runs on every node: c10d rendezvous numbers the nodes, so nothing here
+# depends on SLURM_NODEID, and the 8 ranks of a node are consecutive (TP stays inside a node).
+TORCHRUN=(
+  torchrun
+  --nnodes "$SLURM_NNODES"
+  --nproc-per-node "$GPUS_PER_NODE"
+  --rdzv-backend c10d
+  --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+  --rdzv-id "$SLURM_JOB_ID"
+  "$MEGATRON3D_DIR/pretrain_gpt.py"
+  "${TRAIN_ARGS[@]}"
+  --save "$CHECKPOINT_DIR"
+  --load "$CHECKPOINT_DIR"
+  --save-interval "$SAVE_INTERVAL"
+)
+# One task per node; if one node's torchrun fails, srun kills the others instead of leaving
+# them waiting in a collective. The bash wrapper makes torchrun ignore SIGUSR1 (step 3 above).
+# (srun options take `=`: --kill-on-bad-exit's value is optional, so a separate 1 would be
+# read as the command.)
+SRUN=(
+  srun
+  --nodes="$SLURM_NNODES"
+  --ntasks-per-node=1
+  --kill-on-bad-exit=1
+  bash -c 'trap "" USR1; exec "$@"' megatron3d-node
+  "${TORCHRUN[@]}"
+)
+
+if [ "${LAUNCH_DRY_RUN:-0}" = 1 ]; then
+  printf '%q ' "${SRUN[@]}"
+  printf '\n'
+  exit 0
+fi
+
+VENV="${VENV:-$MEGATRON3D_DIR/.venv}"
+if [ -f "$VENV/bin/activate" ]; then
+  # shellcheck source=/dev/null
+  source "$VENV/bin/activate"
+fi
+command -v torchrun >/dev/null || die "torchrun not found: activate an environment with torch"
+mkdir -p "$CHECKPOINT_DIR"
+
+echo "launch.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s)" \
+  "x $GPUS_PER_NODE workers, rendezvous $MASTER_ADDR:$MASTER_PORT, checkpoints $CHECKPOINT_DIR"
+printf 'launch.sh: '
+printf '%q ' "${SRUN[@]}"
+printf '\n'
+
+# srun runs in the background so that the traps run as soon as a signal arrives (bash defers
+# a trap while a foreground command runs, but interrupts `wait`).
+"${SRUN[@]}" &
+STEP_PID=$!
+while true; do
+  INTERRUPTED=0
+  STEP_RC=0
+  wait "$STEP_PID" || STEP_RC=$?
+  [ "$INTERRUPTED" = 1 ] || break  # a trap ran: the step is still going (or just ended)
+done
+trap - USR1 TERM
+if [ -n "$RESENDER_PID" ]; then
+  kill "$RESENDER_PID" 2>/dev/null || true
+fi
+echo "launch.sh: training step exited with code $STEP_RC"
+
+if [ "$STOP_REQUESTED" = 1 ] && [ "$STEP_RC" = 0 ] && [ "${REQUEUE_ON_SIGNAL:-1}" = 1 ]; then
+  echo "launch.sh: checkpoint saved; requeueing job $SLURM_JOB_ID to resume from it"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$STEP_RC"
