@@ -116,13 +116,6 @@ def default_cache_dir(sources: DataSources) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(sources.prefixes[0])), "index-cache")
 
 
-def eval_sample_counts(train_iters: int, eval_interval: int, eval_iters: int,
-                       global_batch_size: int) -> tuple[int, int]:
-    """(valid, test) samples as Megatron sizes them: every evaluation gets fresh samples."""
-    valid_iters = (train_iters // eval_interval + 1) * eval_iters
-    return valid_iters * global_batch_size, eval_iters * global_batch_size
-
-
 def build_datasets(*, data_path: Sequence[str] | str | None, seq_length: int, seed: int,
                    train_samples: int, valid_samples: int = 0, test_samples: int = 0,
                    data_path_file: str | None = None, split: str = DEFAULT_SPLIT,

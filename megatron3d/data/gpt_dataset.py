@@ -74,10 +74,6 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.index)
 
-    @property
-    def samples_per_epoch(self) -> float:
-        return self.tokens_per_epoch / self.seq_length
-
     def samples(self, start: int, count: int) -> torch.Tensor:
         """Samples ``start .. start+count-1``: int64 [count, seq_length + 1]."""
         return torch.from_numpy(self.samples_at(np.arange(start, start + count)))

@@ -108,10 +108,6 @@ class IndexedDatasetBuilder:
         self._last_doc_end = 0
         self._done = False
 
-    @property
-    def num_sequences(self) -> int:
-        return self._sizes.count
-
     def add_sequence(self, tokens: Sequence[int] | np.ndarray) -> None:
         values = np.asarray(tokens)
         self._check_range(values)

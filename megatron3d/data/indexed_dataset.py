@@ -59,10 +59,6 @@ def data_file_path(prefix: str) -> str:
     return prefix + ".bin"
 
 
-def dataset_exists(prefix: str) -> bool:
-    return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
-
-
 @dataclass(frozen=True)
 class Index:
     """The arrays of one ``.idx`` file, memory-mapped and already validated."""
