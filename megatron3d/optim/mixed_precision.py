@@ -106,10 +106,12 @@ class MixedPrecisionOptimizer:
         if weights_only:
             self.inner.state.clear()
             return
-        params = [p for g in self.inner.param_groups for p in g["params"]]
-        for p, (local, n) in zip(params, self._locals, strict=True):
-            self.inner.state[p] = {
-                "step": state["step"].clone().to(torch.float32),
+        params = [(p, g.get("fused") or g.get("capturable"))
+                  for g in self.inner.param_groups for p in g["params"]]
+        for (p, on_device), (local, n) in zip(params, self._locals, strict=True):
+            self.inner.state[p] = {  # fused/capturable Adam keeps its step on the device
+                "step": state["step"].to(device=p.device if on_device else "cpu",
+                                         dtype=torch.float32, copy=True),
                 "exp_avg": state["exp_avg"][local:local + n].clone().view_as(p),
                 "exp_avg_sq": state["exp_avg_sq"][local:local + n].clone().view_as(p)}
 

@@ -28,7 +28,7 @@ class TiedWeights:
         """Raise if the copies differ (after loading a checkpoint, say)."""
         for p in self.params:
             first = comm.broadcast(p.detach().clone(), self.embedding, src_index=0)
-            same = torch.tensor([float(torch.equal(first, p.detach()))])
+            same = torch.tensor([float(torch.equal(first, p.detach()))], device=p.device)
             if comm.all_reduce(same, self.embedding, op=comm.MIN).item() < 1:
                 raise RuntimeError(f"tied copies of {get_meta(p).name} differ across pipeline "
                                    f"stages {list(self.embedding.ranks)}; this is a bug")

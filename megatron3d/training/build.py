@@ -94,7 +94,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp,
         save=functools.partial(_save, cfg, state, params, optimizer, rng)
         if cfg.checkpoint.save else None,
-        exit_watch=ExitWatch(cfg.checkpoint, state.world, started), progress=progress)
+        exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started), progress=progress)
 
 
 def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext) -> PipelineEngine:

@@ -21,11 +21,11 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ExitWatch:
-    def __init__(self, cfg: CheckpointConfig, world: AxisGroup,
+    def __init__(self, cfg: CheckpointConfig, world: AxisGroup, device: torch.device,
                  started: float | None = None) -> None:
         """``started``: ``time.monotonic()`` when the job started (--exit-duration-in-mins
         counts start-up and checkpoint loading too); default now."""
-        self.cfg, self.world = cfg, world
+        self.cfg, self.world, self.device = cfg, world, device  # NCCL reduces device tensors
         self.start = time.monotonic() if started is None else started
         self.signalled = False
         self.active = bool(cfg.save or cfg.exit_interval or cfg.exit_duration_in_mins)
@@ -53,5 +53,5 @@ class ExitWatch:
                 or bool(self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0)
                 or bool(self.cfg.exit_duration_in_mins
                         and minutes >= self.cfg.exit_duration_in_mins))
-        flag = torch.tensor([float(mine)])
+        flag = torch.tensor([float(mine)], device=self.device)
         return comm.all_reduce(flag, self.world, op=comm.MAX).item() > 0
