@@ -103,6 +103,34 @@ class ParallelConfig:
     check_replicas_interval: int = _opt(
         1000, "Check TP-replicated parameters are identical every N steps (0: only at start).")
     print_topology: bool = _opt(False, "Print the rank/group table for this layout and exit.")
+    overlap_param_gather: bool = _opt(
+        False, "ZeRO-1: all-gather updated parameters asynchronously after the step, each "
+        "bucket awaited just before its first use in the next forward.")
+    grad_reduce_in_bf16: bool = _opt(
+        False, "Send data-parallel gradients in bf16 (half the traffic); they still "
+        "accumulate in fp32. Default: reduce in fp32.")
+    accumulate_allreduce_grads_in_fp32: bool = _opt(
+        False, "Accepted for Megatron-DeepSpeed scripts: fp32 reduction is the default.")
+    zero3_prefetch_depth: int = _opt(
+        1, "ZeRO-3: how many units ahead to all-gather while the current one computes.")
+    zero3_max_live_units: int = _opt(
+        0, "ZeRO-3: gathered units resident at once (buffers allocated at start); "
+        "0 means prefetch depth + 1.")
+    zero3_allreduce_fetch: bool = _opt(
+        False, "ZeRO-3: gather a unit by all-reducing a zero-filled full buffer instead of "
+        "an all-gather (same bits; faster on some backends).")
+    zero3_reshard_after_forward: Literal["true", "false"] = _opt(
+        "true", "ZeRO-3: free gathered units after each use (true) or keep a stage's units "
+        "gathered for the whole step (false: one gather per unit per step, more memory).")
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.zero3_reshard_after_forward == "true"
+
+    @property
+    def live_units(self) -> int:
+        """Pool slots for ZeRO-3 units (resolves the 0 default)."""
+        return self.zero3_max_live_units or self.zero3_prefetch_depth + 1
 
     @property
     def model_parallel_size(self) -> int:

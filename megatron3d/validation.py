@@ -98,7 +98,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_layout(cfg, world_size)
     _check_batch(cfg, world_size)
     _check_checkpoint(values)
-    _check_implemented(cfg)
+    _check_zero(cfg)
 
 
 def _check_required(values: dict[str, Any]) -> None:
@@ -358,9 +358,25 @@ def _check_checkpoint(values: dict[str, Any]) -> None:
             raise _error("must be positive", {name: values[name]}, f"give {flag(name)} > 0")
 
 
-def _check_implemented(cfg: TrainConfig) -> None:
-    """Valid settings this version cannot run yet; delete each check when the feature lands."""
-    stage = cfg.parallel.zero_stage
-    if stage == 3:
-        raise _error("ZeRO stage 3 is not supported yet", {"zero_stage": stage},
-                     "use --zero-stage 1 (sharded optimizer state) or 0 for now")
+def _check_zero(cfg: TrainConfig) -> None:
+    """Flags that belong to one ZeRO stage, and the ZeRO-3 pool sizes."""
+    parallel = cfg.parallel
+    stage = parallel.zero_stage
+    if parallel.overlap_param_gather and stage != 1:
+        raise _error("--overlap-param-gather is ZeRO-1's post-step parameter all-gather",
+                     {"zero_stage": stage}, "pass --zero-stage 1 or drop the flag "
+                     "(ZeRO-3 prefetches with --zero3-prefetch-depth)")
+    if parallel.grad_reduce_in_bf16 and parallel.accumulate_allreduce_grads_in_fp32:
+        raise _error("gradients cannot be reduced in both bf16 and fp32",
+                     {"grad_reduce_in_bf16": True, "accumulate_allreduce_grads_in_fp32": True},
+                     "drop one of the two flags")
+    if parallel.zero3_prefetch_depth < 0:
+        raise _error("must be >= 0", {"zero3_prefetch_depth": parallel.zero3_prefetch_depth},
+                     "give 0 (no prefetch) or more units to fetch ahead")
+    live = parallel.live_units
+    if parallel.zero3_max_live_units < 0 or live < parallel.zero3_prefetch_depth + 1:
+        raise _error("the ZeRO-3 pool must hold the unit computing plus every prefetched one",
+                     {"zero3_max_live_units": parallel.zero3_max_live_units,
+                      "zero3_prefetch_depth": parallel.zero3_prefetch_depth},
+                     f"give --zero3-max-live-units >= {parallel.zero3_prefetch_depth + 1} "
+                     "or 0 for that default")

@@ -19,7 +19,8 @@ ALLOWED: dict[str, set[str]] = {
     "mpu": {"device", "errors"},
     "pipeline": {"mpu", "device", "errors"},
     "optim": {"mpu", "config", "kernels", "device", "errors"},
-    "zero": {"mpu", "optim", "config", "device", "errors"},
+    # ZeRO-3 plans its gathers from the pipeline program (pure instruction lists).
+    "zero": {"mpu", "pipeline", "config", "device", "errors"},
     "model": {"mpu", "pipeline", "config", "kernels", "device", "errors"},
     "data": {"config", "device", "errors", "log"},
     "checkpoint": {"mpu", "pipeline", "optim", "zero", "model", "data", "config", "device",

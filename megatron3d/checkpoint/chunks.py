@@ -31,7 +31,7 @@ from megatron3d.errors import CheckpointError
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import tp_shard, tp_unshard
 from megatron3d.mpu.state import ParallelState
-from megatron3d.optim.shard import Shard
+from megatron3d.zero.shard import Shard
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
 
@@ -43,7 +43,7 @@ def owns(param: nn.Parameter, state: ParallelState, zero_stage: int) -> bool:
         return False
     if meta.tp_split_dim is None and state.tp.rank != 0:
         return False
-    return zero_stage == 1 or state.dp.rank == 0
+    return zero_stage > 0 or state.dp.rank == 0
 
 
 def make_chunks(params: list[nn.Parameter], shard: Shard, local: dict[str, torch.Tensor],

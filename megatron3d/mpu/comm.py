@@ -2,8 +2,8 @@
 
 Why one module: the group is always explicit (an ``AxisGroup``), a size-1 axis returns without
 touching torch.distributed (so single-process code needs no process group), torch API drift is
-absorbed in one place, and traffic can be counted by attaching a ``CommCounter`` to an axis
-(``axis.counted(counter)``), which a benchmark uses to measure bytes per rank per step.
+absorbed in one place, and every collective is shown to the observers of ``traffic.py``
+(counters in tests and benchmarks, recorders), which live outside the parallel state.
 
 Reductions and broadcast work in place on the given tensor and return it (like torch);
 callers that must not modify their input clone first.
@@ -11,11 +11,10 @@ callers that must not modify their input clone first.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.distributed as dist
 
+from megatron3d.mpu import traffic
 from megatron3d.mpu.state import AxisGroup
 
 SUM = dist.ReduceOp.SUM
@@ -28,39 +27,11 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 
-class CommCounter:
-    """Bytes and calls per collective kind, as issued by this rank.
-
-    Bytes are those of the tensor this rank contributes (its input), so an all-reduce of an
-    [s, b, h] activation counts s*b*h*element_size once per call. Size-1 axes count nothing:
-    they communicate nothing.
-    """
-
-    def __init__(self) -> None:
-        self.bytes: defaultdict[str, int] = defaultdict(int)
-        self.calls: defaultdict[str, int] = defaultdict(int)
-
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
-        self.calls[kind] += 1
-
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-
-    def __repr__(self) -> str:
-        return f"CommCounter(bytes={dict(self.bytes)}, calls={dict(self.calls)})"
-
-
 def _check(axis: AxisGroup, kind: str, tensor: torch.Tensor) -> None:
     if axis.group is None:
         raise ValueError(f"{kind} on an axis of size {axis.size} without a process group "
                          "(this rank is not a member, or the state was built without dist)")
-    if axis.counter is not None:
-        axis.counter.add(kind, tensor)
+    traffic.notify(kind, tensor, axis)
 
 
 def all_reduce(t: torch.Tensor, axis: AxisGroup, op: dist.ReduceOp = SUM) -> torch.Tensor:
@@ -127,12 +98,23 @@ def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor,
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup) -> None:
-    """Concatenate every rank's flat ``t`` into ``out`` (``t`` must not alias ``out``)."""
+    """Concatenate every rank's flat ``t`` into ``out``. ``t`` may be this rank's own chunk
+    of ``out`` (in place, no staging copy)."""
+    work = start_all_gather_into(out, t, axis)
+    if work is not None:
+        work.wait()
+
+
+def start_all_gather_into(out: torch.Tensor, t: torch.Tensor,
+                          axis: AxisGroup) -> dist.Work | None:
+    """Begin ``all_gather_into``; wait on the returned work (None when already done). On
+    NCCL the wait orders the caller's stream after the gather without blocking the host."""
     if axis.size == 1:
-        out.copy_(t)
-        return
+        if out.data_ptr() != t.data_ptr():
+            out.copy_(t)
+        return None
     _check(axis, "all_gather", t)
-    _all_gather_single(out, t, group=axis.group)
+    return _all_gather_single(out, t, group=axis.group, async_op=True)
 
 
 def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:

@@ -20,20 +20,24 @@ class ReplicaDriftError(RuntimeError):
     """TP-replicated parameters differ across TP ranks."""
 
 
-def check_tp_replicas(params: list[nn.Parameter], tp: AxisGroup) -> None:
-    """Raise ReplicaDriftError on every TP rank if any replicated parameter differs."""
+def check_tp_replicas(values: list[tuple[nn.Parameter, torch.Tensor]], tp: AxisGroup) -> None:
+    """Raise ReplicaDriftError on every TP rank if any replicated parameter differs.
+
+    ``values``: (parameter, the values of it this rank holds): the whole parameter, or under
+    ZeRO-3 its shard, which covers the same elements on every TP rank."""
     if tp.size == 1:
         return
-    replicated = [p for p in params if get_meta(p).tp_split_dim is None]
+    replicated = [(p, v) for p, v in values if get_meta(p).tp_split_dim is None]
     if not replicated:
         return
-    mine = torch.cat([p.detach().flatten() for p in replicated])
+    mine = torch.cat([v.detach().flatten() for _, v in replicated])
     reference = comm.broadcast(mine.clone(), tp, src_index=0)
-    sizes = [p.numel() for p in replicated]
+    sizes = [v.numel() for _, v in replicated]
     differs = torch.tensor([float(not _same_bits(a, b)) for a, b in zip(
         mine.split(sizes), reference.split(sizes), strict=True)], device=mine.device)
     comm.all_reduce(differs, tp, op=comm.MAX)  # every rank learns which ones differ
-    names = [get_meta(p).name for p, d in zip(replicated, differs.tolist(), strict=True) if d]
+    names = [get_meta(p).name for (p, _), d in zip(replicated, differs.tolist(), strict=True)
+             if d]
     if names:
         raise ReplicaDriftError(f"TP-replicated parameters drifted apart across TP ranks "
                                 f"{list(tp.ranks)}: {', '.join(names)}; this is a bug, please "

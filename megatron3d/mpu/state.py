@@ -8,16 +8,11 @@ without torch.distributed (collectives on size-1 axes are no-ops in ``comm``).
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megatron3d.mpu.topology import RankGroups, Topology
-
-if TYPE_CHECKING:
-    from megatron3d.mpu.comm import CommCounter
 
 
 @dataclass(frozen=True)
@@ -29,14 +24,12 @@ class AxisGroup:
     rank: index of this process inside ``ranks``.
     size: number of members.
     ranks: global ranks of the members, in axis order.
-    counter: when set, ``comm`` adds the bytes of every collective on this axis to it.
     """
 
     group: dist.ProcessGroup | None
     rank: int
     size: int
     ranks: tuple[int, ...]
-    counter: CommCounter | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def single(cls, world_rank: int = 0) -> AxisGroup:
@@ -51,10 +44,6 @@ class AxisGroup:
     @property
     def is_member(self) -> bool:
         return self.size > 0
-
-    def counted(self, counter: CommCounter | None) -> AxisGroup:
-        """The same axis, with collectives counted into ``counter`` (None stops counting)."""
-        return dataclasses.replace(self, counter=counter)
 
 
 @dataclass(frozen=True)
@@ -113,13 +102,6 @@ class ParallelState:
     @property
     def in_embedding_group(self) -> bool:
         return self.embedding.is_member
-
-    def counted(self, counter: CommCounter | None) -> ParallelState:
-        """The same state with every axis counting into ``counter``."""
-        return dataclasses.replace(
-            self, tp=self.tp.counted(counter), pp=self.pp.counted(counter),
-            dp=self.dp.counted(counter), mp=self.mp.counted(counter),
-            embedding=self.embedding.counted(counter))
 
 
 def _create_groups(groups: RankGroups, world_rank: int) -> AxisGroup:

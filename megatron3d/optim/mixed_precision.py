@@ -1,10 +1,11 @@
 """The optimizer the training step talks to: fp32 master weights, clipping, loss scaling.
 
-It updates the ``Shard`` of the flat buffers this rank owns (everything without ZeRO, a 1/DP
-slice with ZeRO-1). fp32 model: the master weights are the model's own flat buffer (no copy).
-bf16/fp16 model: an fp32 master copy of the shard is updated and copied back into the
-low-precision parameters. ``gather_params`` then brings the other ranks' updated slices
-(ZeRO-1's all-gather; nothing without ZeRO).
+It updates the ``Shard`` this rank owns (``zero/shard.py``: everything without ZeRO, a 1/DP
+slice of every bucket with ZeRO-1 and ZeRO-3). fp32 model: the master weights are the shard's
+own model parameters (no copy). bf16/fp16 model: an fp32 master copy of the shard is updated
+and copied back into the low-precision parameters. ``gather_params`` then brings the other
+ranks' updated slices (ZeRO-1's all-gather; nothing without ZeRO, and nothing under ZeRO-3,
+whose units are gathered when they next run).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.grad_clip import clip_, grad_stats
 from megatron3d.optim.loss_scaler import LossScaler
-from megatron3d.optim.optimizer import param_groups
-from megatron3d.optim.shard import Shard
+from megatron3d.optim.optimizer import ShardView, param_groups
 
 
 @dataclass(frozen=True)
@@ -35,27 +35,26 @@ class StepStats:
 
 
 class MixedPrecisionOptimizer:
-    def __init__(self, shard: Shard, optim: OptimizerConfig, precision: PrecisionConfig,
+    def __init__(self, shard: ShardView, optim: OptimizerConfig, precision: PrecisionConfig,
                  norm_axes: list[AxisGroup],
                  gather_params: Callable[[], None] = lambda: None,
                  replica_axes: list[AxisGroup] = ()) -> None:
         """``norm_axes``: where the counted gradients are spread (model-parallel ranks, and
-        DP under ZeRO-1). ``replica_axes``: ranks holding copies of the same gradients (DP
+        DP under ZeRO-1/3). ``replica_axes``: ranks holding copies of the same gradients (DP
         without ZeRO); the fp16 skip decision is agreed over them too, so a replica that
         overflows alone cannot step differently from the others."""
         self.shard = shard
-        self.buffers = shard.buffers
         self.clip_grad = optim.clip_grad
         self.norm_axes = norm_axes
         self.replica_axes = list(replica_axes)
         self.gather_params = gather_params
         self.master = None  # fp32 models update their own parameters
-        if self.buffers.params_dtype != torch.float32:
+        if shard.params_dtype != torch.float32:
             self.master = torch.empty(shard.numel, dtype=torch.float32,
                                       device=shard.grads.device)
             for piece in shard.pieces:
                 self._master_part(piece.start, piece.end, piece.local).copy_(
-                    self.buffers.params[piece.start:piece.end])
+                    shard.param_part(piece.start, piece.end, piece.local))
         self.groups = param_groups(shard, self._master_part, optim.weight_decay)
         # Where each optimizer tensor sits in local coordinates, in param_groups order.
         self._locals = [(int(p.grad.data_ptr() - shard.grads.data_ptr()) // 4, p.numel())
@@ -68,7 +67,7 @@ class MixedPrecisionOptimizer:
 
     def _master_part(self, start: int, end: int, local: int) -> torch.Tensor:
         if self.master is None:
-            return self.buffers.params[start:end]
+            return self.shard.param_part(start, end, local)
         return self.master[local:local + end - start]
 
     @property
@@ -76,7 +75,7 @@ class MixedPrecisionOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def zero_grad(self) -> None:
-        self.buffers.zero_grad()
+        self.shard.zero_grad()
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """The fp32 weights and Adam moments of this rank's shard, in local coordinates
@@ -101,7 +100,7 @@ class MixedPrecisionOptimizer:
         for p in self.shard.pieces:
             part = state["weight"][p.local:p.local + p.end - p.start]
             self._master_part(p.start, p.end, p.local).copy_(part)
-            self.buffers.params[p.start:p.end].copy_(part)
+            self.shard.param_part(p.start, p.end, p.local).copy_(part)
         self.gather_params()
         if weights_only:
             self.inner.state.clear()
@@ -147,7 +146,7 @@ class MixedPrecisionOptimizer:
         self.inner.step()
         if self.master is not None:
             for piece in self.shard.pieces:
-                self.buffers.params[piece.start:piece.end].copy_(
+                self.shard.param_part(piece.start, piece.end, piece.local).copy_(
                     self._master_part(piece.start, piece.end, piece.local))
         self.gather_params()
         return StepStats(stats.norm, stats.num_zeros, self._not_skipped, scale)

@@ -8,18 +8,33 @@ one per segment part this rank updates, each a view of the fp32 master weights w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from megatron3d.optim.shard import Shard
+
+class ShardView(Protocol):
+    """What the optimizer needs of the part of the model a rank updates (``zero/shard.py``
+    implements it; optim/ stays free of data-parallel code)."""
+
+    pieces: list  # (start, end, local) ranges of the flat layout held here
+    grads: torch.Tensor  # fp32 gradients of the pieces, in local coordinates
+    numel: int
+    params_dtype: torch.dtype
+
+    def segment_parts(self) -> Iterator[tuple]: ...
+    def counted_grads(self) -> list[torch.Tensor]: ...
+    def param_part(self, start: int, end: int, local: int) -> torch.Tensor: ...
+    def zero_grad(self) -> None: ...
+
 
 MasterView = Callable[[int, int, int], torch.Tensor]
 """(flat_start, flat_end, local_start) -> the fp32 master weights of that range."""
 
 
-def param_groups(shard: Shard, master: MasterView, weight_decay: float) -> list[dict]:
+def param_groups(shard: ShardView, master: MasterView, weight_decay: float) -> list[dict]:
     """Two AdamW groups (decay, no decay) of flat master slices with their gradients."""
     groups = {False: {"params": [], "weight_decay": weight_decay, "names": set()},
               True: {"params": [], "weight_decay": 0.0, "names": set()}}

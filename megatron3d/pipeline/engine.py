@@ -35,6 +35,15 @@ LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 """(last stage's output, micro-batch) -> that micro-batch's mean loss (fp32 scalar)."""
 
 
+class ProgramObserver(Protocol):
+    """Told what the engine runs, so it can prepare ahead of time (ZeRO-3 plans its parameter
+    gathers from the program before the first layer runs)."""
+
+    def begin(self, program: list[Instruction]) -> None: ...
+    def after(self, instruction: Instruction) -> None: ...
+    def end(self) -> None: ...
+
+
 class PipelineEngine:
     """This rank's stage, its neighbours on the ``pp`` axis, and how to run a batch."""
 
@@ -48,6 +57,7 @@ class PipelineEngine:
         self.schedule = schedule
         self.first = pp.rank == 0
         self.last = pp.rank == pp.size - 1
+        self.observer: ProgramObserver | None = None
         if pp.size > 1:
             self._handshake()
 
@@ -73,6 +83,9 @@ class PipelineEngine:
     def _run(self, program: list[Instruction | _Call], batches: list[Batch],
              weight: float) -> torch.Tensor:
         run = _Run(total=torch.zeros((), dtype=torch.float32, device=self.device))
+        observer = self.observer
+        if observer is not None:
+            observer.begin([s for s in program if not isinstance(s, _Call)])
         for step in program:
             if isinstance(step, Exchange):
                 self._exchange(step, run)
@@ -82,6 +95,10 @@ class PipelineEngine:
                 self._backward(step.micro_batch, run)
             else:
                 step.fn()
+            if observer is not None:
+                observer.after(step)
+        if observer is not None:
+            observer.end()
         return run.total / len(batches)
 
     def _forward(self, mb: int, batch: Batch, run: _Run, weight: float) -> None:

@@ -24,11 +24,13 @@ class TiedWeights:
         self.params = [p for p in params if shared and get_meta(p).tied_key is not None]
         self.embedding = embedding
 
-    def check_identical(self) -> None:
-        """Raise if the copies differ (after loading a checkpoint, say)."""
-        for p in self.params:
-            first = comm.broadcast(p.detach().clone(), self.embedding, src_index=0)
-            same = torch.tensor([float(torch.equal(first, p.detach()))], device=p.device)
+    def check_identical(self, values: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Raise if the copies differ (after loading a checkpoint, say). ``values``: this
+        stage's (parameter, values held here) for its tied parameters, whole or (ZeRO-3)
+        the shard, which lines up across stages because tied weights are laid out alone."""
+        for p, value in values:
+            first = comm.broadcast(value.detach().clone(), self.embedding, src_index=0)
+            same = torch.tensor([float(torch.equal(first, value.detach()))], device=p.device)
             if comm.all_reduce(same, self.embedding, op=comm.MIN).item() < 1:
                 raise RuntimeError(f"tied copies of {get_meta(p).name} differ across pipeline "
                                    f"stages {list(self.embedding.ranks)}; this is a bug")

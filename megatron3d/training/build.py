@@ -23,11 +23,9 @@ from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.replicas import check_tp_replicas
 from megatron3d.mpu.state import ParallelState
-from megatron3d.optim.flat_buffers import FlatBuffers
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.optim.optimizer import format_param_groups
-from megatron3d.optim.shard import Shard
 from megatron3d.pipeline.engine import PipelineEngine
 from megatron3d.pipeline.partition import format_partition_table, partition_layers
 from megatron3d.pipeline.spec import build_stage
@@ -38,8 +36,7 @@ from megatron3d.training.data_setup import build_run_data
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Progress, Trainer
-from megatron3d.zero.ddp import GradReducer
-from megatron3d.zero.stage1 import ParamGatherer, zero1_shard
+from megatron3d.zero.factory import DataParallel, build_data_parallel
 
 logger = get_logger(__name__)
 
@@ -64,15 +61,20 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     params = list(engine.stage.parameters())
     tied = TiedWeights(params, state.embedding)
     tied.broadcast_from_first_stage()
-    check_replicas = functools.partial(check_tp_replicas, params, state.tp)
+    data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp,
+                                        cfg.parallel, functools.partial(_counted, state), dev)
+    engine.observer = data_parallel.observer
+
+    def check_replicas() -> None:
+        check_tp_replicas(data_parallel.values_of(params), state.tp)
+
     check_replicas()
-    optimizer = build_optimizer(cfg, state, params)
-    reducer = GradReducer(optimizer.buffers, optimizer.shard, state.dp)
-    grad_sync = GradSync(params, optimizer.shard, reducer, tied, state)
+    optimizer = build_optimizer(cfg, state, data_parallel, params)
+    grad_sync = GradSync(params, data_parallel, tied, state)
     progress = _resume(cfg, state, params, optimizer, rng)
     if cfg.checkpoint.load:  # copies must agree after loading as they did at start
         check_replicas()
-        tied.check_identical()
+        tied.check_identical(data_parallel.values_of(tied.params))
     iters = cfg.training.train_iters
     lr_schedule = LRSchedule.from_config(
         cfg.optimizer, cfg.lr_schedule,
@@ -92,6 +94,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         writer=TensorBoardWriter(cfg.logging.tensorboard_dir,
                                  enabled=state.world_rank == logging_rank(state)),
         check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp,
+        data_parallel=data_parallel,
         save=functools.partial(_save, cfg, state, params, optimizer, rng)
         if cfg.checkpoint.save else None,
         exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started), progress=progress)
@@ -112,35 +115,29 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext) -> P
         schedule=cfg.parallel.pipeline_schedule)
 
 
-def build_optimizer(cfg: TrainConfig, state: ParallelState,
-                    params: list[nn.Parameter]) -> MixedPrecisionOptimizer:
-    """Flat buffers over the stage's parameters, this rank's shard of them (all of them
-    without ZeRO) and the optimizer over that shard."""
-    def counted(p: nn.Parameter) -> bool:
-        """Count each logical parameter once in the grad norm: TP replicas on TP rank 0,
-        tied copies on the first pipeline stage."""
-        meta = get_meta(p)
-        if meta.tied_key is not None and not state.is_first_stage:
-            return False
-        return meta.tp_split_dim is not None or state.tp.rank == 0
+def _counted(state: ParallelState, p: nn.Parameter) -> bool:
+    """Count each logical parameter once in the grad norm: TP replicas on TP rank 0, tied
+    copies on the first pipeline stage."""
+    meta = get_meta(p)
+    if meta.tied_key is not None and not state.is_first_stage:
+        return False
+    return meta.tp_split_dim is not None or state.tp.rank == 0
 
-    zero1 = cfg.parallel.zero_stage == 1
-    buffers = FlatBuffers(params, counted=counted, bucket_numel=cfg.parallel.reduce_bucket_size,
-                          align=state.dp.size if zero1 else 1)
-    if zero1:
-        shard = zero1_shard(buffers, state.dp)
-        optimizer = MixedPrecisionOptimizer(
-            shard, cfg.optimizer, cfg.precision, norm_axes=[state.mp, state.dp],
-            gather_params=ParamGatherer(shard, state.dp))
-    else:
-        optimizer = MixedPrecisionOptimizer(Shard.whole(buffers), cfg.optimizer,
-                                            cfg.precision, norm_axes=[state.mp],
-                                            replica_axes=[state.dp])
+
+def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataParallel,
+                    params: list[nn.Parameter]) -> MixedPrecisionOptimizer:
+    """The optimizer over this rank's shard (all of the stage without ZeRO). Under ZeRO the
+    gradients are spread over DP too; without it, DP ranks hold replicas that must agree."""
+    stage = cfg.parallel.zero_stage
+    optimizer = MixedPrecisionOptimizer(
+        data_parallel.shard, cfg.optimizer, cfg.precision,
+        norm_axes=[state.mp, state.dp] if stage else [state.mp],
+        gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp])
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
     every_rank_logger().info(memory.report(
-        f"memory (ZeRO-{cfg.parallel.zero_stage}, DP={state.dp.size}):",
-        memory.analytic(sum(p.numel() for p in params), params[0].element_size(),
-                        cfg.parallel.zero_stage, state.dp.size)))
+        f"memory (ZeRO-{stage}, DP={state.dp.size}):",
+        memory.analytic(sum(p.numel() for p in params), params[0].element_size(), stage,
+                        state.dp.size, memory.live_numel(data_parallel))))
     return optimizer
 
 

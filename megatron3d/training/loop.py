@@ -35,6 +35,7 @@ from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.flops import FlopsCount, flops_per_iteration, throughput
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.step import StepResult, train_step
+from megatron3d.zero.factory import DataParallel
 
 logger = get_logger(__name__)
 
@@ -77,6 +78,7 @@ class Trainer:
     check_replicas: Callable[[], None]  # raises if TP-replicated parameters drifted
     grad_sync: GradSync  # reductions between backward and the optimizer step
     dp: AxisGroup
+    data_parallel: DataParallel  # buffers and shards of this rank's ZeRO stage
     save: Callable[[Progress], None] | None  # writes a checkpoint (None without --save)
     exit_watch: ExitWatch
     progress: Progress = field(default_factory=Progress)
@@ -164,12 +166,13 @@ class Trainer:
         self.writer.write_iteration(stats, self.progress.iteration)
 
     def _memory_report(self) -> None:
-        opt, cfg = self.optimizer, self.cfg.parallel
-        expected = memory.analytic(sum(p.numel() for p in self.engine.stage.parameters()),
-                                   opt.buffers.params.element_size(), cfg.zero_stage,
-                                   self.dp.size)
+        params = list(self.engine.stage.parameters())
+        expected = memory.analytic(sum(p.numel() for p in params), params[0].element_size(),
+                                   self.cfg.parallel.zero_stage, self.dp.size,
+                                   memory.live_numel(self.data_parallel))
         every_rank_logger().info(memory.report("memory after the first step:", expected,
-                                               memory.measured(opt)))
+                                               memory.measured(self.optimizer,
+                                                               self.data_parallel)))
 
     def _peak_tflops(self) -> float | None:
         return self.cfg.logging.peak_tflops or devices.peak_tflops(self.device)

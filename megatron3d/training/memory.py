@@ -4,7 +4,10 @@ The analytic numbers follow the ZeRO paper's accounting for this rank's paramete
 pipeline stage and TP slice): parameters P x (2 or 4) bytes, fp32 gradient buffer 4P, and
 optimizer state (fp32 master copy when the model is bf16/fp16, plus two fp32 Adam moments):
 12P or 8P bytes, divided by DP under ZeRO-1 (which also keeps a 4P/DP buffer of its
-reduce-scattered gradients). Measured numbers read the real buffers, so padding shows.
+reduce-scattered gradients). ZeRO-3 divides parameters, gradients and optimizer state by DP
+and adds its live-unit buffers: L elements of slots holding (2 or 4) + 4 + 4/DP bytes each
+(gathered parameters, their fp32 gradients, the reduce-scatter output). Measured numbers read
+the real buffers, so padding shows.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 from megatron3d import device as devices
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+from megatron3d.zero.factory import DataParallel
 
 
 @dataclass(frozen=True)
@@ -28,20 +32,29 @@ class MemoryBytes:
                 f"{self.optimizer_state:>14,} B ({self.optimizer_state / gib:.3f} GiB)"]
 
 
-def analytic(num_params: int, param_bytes: int, zero_stage: int, dp: int) -> MemoryBytes:
-    shards = dp if zero_stage == 1 else 1
+def analytic(num_params: int, param_bytes: int, zero_stage: int, dp: int,
+             live_numel: int = 0) -> MemoryBytes:
+    """``live_numel``: elements of ZeRO-3's slot buffers (``live_numel()``)."""
     master = 4 * num_params if param_bytes < 4 else 0
+    optimizer_state = (master + 8 * num_params) // (dp if zero_stage else 1)
+    if zero_stage == 3:
+        return MemoryBytes(params=param_bytes * (num_params // dp + live_numel),
+                           grads=4 * num_params // dp + live_numel * (4 + 4 // dp),
+                           optimizer_state=optimizer_state)
     shard_grads = 4 * num_params // dp if zero_stage == 1 else 0
     return MemoryBytes(params=param_bytes * num_params, grads=4 * num_params + shard_grads,
-                       optimizer_state=(master + 8 * num_params) // shards)
+                       optimizer_state=optimizer_state)
 
 
-def measured(optimizer: MixedPrecisionOptimizer) -> MemoryBytes:
+def live_numel(data_parallel: DataParallel) -> int:
+    """Elements of the buffers gathered ZeRO-3 units live in (0 for ZeRO-0/1)."""
+    return sum(slot.params.numel() for slot in getattr(data_parallel, "slots", ()))
+
+
+def measured(optimizer: MixedPrecisionOptimizer, data_parallel: DataParallel) -> MemoryBytes:
     """What this rank holds now (Adam's moments exist after the first step)."""
-    buffers, shard = optimizer.buffers, optimizer.shard
-    grads = buffers.grads.nbytes + (0 if shard.is_whole else shard.grads.nbytes)
-    return MemoryBytes(params=buffers.params.nbytes, grads=grads,
-                       optimizer_state=optimizer.state_bytes())
+    params, grads = data_parallel.resident_bytes()
+    return MemoryBytes(params=params, grads=grads, optimizer_state=optimizer.state_bytes())
 
 
 def report(title: str, expected: MemoryBytes, actual: MemoryBytes | None = None) -> str:

@@ -11,7 +11,7 @@ from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer, StepStats
 from megatron3d.pipeline.engine import Batch, PipelineEngine
 from megatron3d.training.grad_sync import GradSync
-from megatron3d.zero.ddp import average_over
+from megatron3d.zero.reducer import average_over
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,12 @@ def train(argv: list[str]) -> RunResult:
 
     trainer.on_step = record
     trainer.run()
-    params = {get_meta(p).name: gather_logical(p, state.tp).clone()
-              for p in trainer.engine.stage.parameters()}
+    params = {}
+
+    def grab(group: list) -> None:  # under ZeRO-3, one gathered unit at a time
+        params.update((get_meta(p).name, gather_logical(p, state.tp).clone()) for p in group)
+
+    trainer.data_parallel.materialize(grab)
     eval_loss = evaluate(trainer.engine, trainer.valid_batches, 1, state.dp)
     return RunResult([x.item() for x in losses], [x.item() for x in norms], params, eval_loss,
                      last_stage=state.is_last_stage)

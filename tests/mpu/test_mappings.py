@@ -13,6 +13,7 @@ from megatron3d.mpu.mappings import (
     scatter_to_tp_region,
 )
 from megatron3d.mpu.state import AxisGroup, ParallelState
+from megatron3d.mpu.traffic import CommCounter, observing
 from tests.helpers.dist import run_distributed
 
 
@@ -43,20 +44,21 @@ def _check_collectives(tp: AxisGroup) -> None:
 
 
 def _check_counter(tp: AxisGroup) -> None:
-    counter = comm.CommCounter()
-    counted = tp.counted(counter)
-    comm.all_reduce(torch.ones(10), counted)  # 40 bytes
-    comm.all_reduce(torch.ones(4, dtype=torch.float64), counted)  # 32 bytes
-    comm.all_gather(torch.ones(3), counted, dim=0)  # 12 bytes
-    comm.all_reduce(torch.ones(10), tp)  # not counted: plain axis
-    comm.all_reduce(torch.ones(10), AxisGroup.single().counted(counter))  # size 1: no traffic
+    counter = CommCounter(only=(tp,))
+    with observing(counter):
+        comm.all_reduce(torch.ones(10), tp)  # 40 bytes
+        comm.all_reduce(torch.ones(4, dtype=torch.float64), tp)  # 32 bytes
+        comm.all_gather(torch.ones(3), tp, dim=0)  # 12 bytes
+        comm.all_reduce(torch.ones(10), AxisGroup.single())  # size 1: no traffic
+    comm.all_reduce(torch.ones(10), tp)  # not counted: no observer attached
     assert dict(counter.bytes) == {"all_reduce": 72, "all_gather": 12}
     assert dict(counter.calls) == {"all_reduce": 2, "all_gather": 1}
     assert counter.total_bytes() == 84
-    # Backward collectives of the mappings are counted through the same axis.
+    # Backward collectives of the mappings are seen too.
     counter.reset()
     x = torch.ones(2, 5, requires_grad=True)
-    copy_to_tp_region(x, counted).sum().backward()
+    with observing(counter):
+        copy_to_tp_region(x, tp).sum().backward()
     assert dict(counter.bytes) == {"all_reduce": 40}
 
 

@@ -34,7 +34,7 @@ DRIFT_RANK = 1
 def _verdict(params: list[nn.Parameter], tp: AxisGroup) -> str | None:
     """None if the replicas agree, else the ReplicaDriftError message this rank got."""
     try:
-        check_tp_replicas(params, tp)
+        check_tp_replicas([(p, p.detach()) for p in params], tp)
     except ReplicaDriftError as err:
         return str(err)
     return None

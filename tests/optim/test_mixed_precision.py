@@ -9,9 +9,8 @@ from torch import nn
 
 from megatron3d.config import OptimizerConfig, PrecisionConfig
 from megatron3d.mpu.meta import ParamMeta, set_meta
-from megatron3d.optim.flat_buffers import FlatBuffers
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
-from megatron3d.optim.shard import Shard
+from tests.helpers.flat import whole
 
 
 class Tiny(nn.Module):
@@ -28,9 +27,9 @@ class Tiny(nn.Module):
 
 
 def _optimizer(model, clip=1.0, **precision):
-    buffers = FlatBuffers(list(model.parameters()))
+    _, shard = whole(list(model.parameters()))
     cfg = OptimizerConfig(lr=0.01, weight_decay=0.1, clip_grad=clip)
-    return MixedPrecisionOptimizer(Shard.whole(buffers), cfg, PrecisionConfig(**precision),
+    return MixedPrecisionOptimizer(shard, cfg, PrecisionConfig(**precision),
                                    norm_axes=[])
 
 
@@ -63,14 +62,14 @@ def test_fp32_gradients_accumulate_in_place_in_the_flat_buffer():
     assert opt.master is None  # fp32: the parameters are the master weights
     model(torch.ones(2, 4)).backward()
     assert model.weight.grad.data_ptr() == model.weight.main_grad.data_ptr()
-    assert opt.buffers.grads.abs().sum() > 0
+    assert opt.shard.grads.abs().sum() > 0
 
 
 def test_bf16_accumulates_micro_batch_gradients_in_fp32():
     """A large first gradient then many tiny ones: bf16 (8-bit mantissa) accumulation loses
     every tiny one, fp32 keeps them."""
     p = set_meta(nn.Parameter(torch.zeros((), dtype=torch.bfloat16)), ParamMeta(name="p"))
-    buffers = FlatBuffers([p])
+    buffers, _ = whole([p])
     tiny = 2.0 ** -10
     grads = [1.0] + [tiny] * 16
     for g in grads:
@@ -89,26 +88,26 @@ def test_bf16_master_weights_are_fp32_and_copied_back():
     assert opt.master.dtype == torch.float32 and model.weight.dtype == torch.bfloat16
     model(torch.ones(2, 4, dtype=torch.bfloat16)).backward()
     opt.step(lr=0.01)
-    assert torch.equal(opt.buffers.params, opt.master.to(torch.bfloat16))
+    assert torch.equal(opt.shard.flat_params, opt.master.to(torch.bfloat16))
     assert opt.state_bytes() == 12 * (8 * 4 + 8)  # fp32 master + two fp32 moments
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     model = Tiny(torch.float16)
     opt = _optimizer(model, fp16=True, initial_loss_scale=1024.0, hysteresis=1)
-    before = opt.buffers.params.clone()
+    before = opt.shard.flat_params.clone()
     master_before = opt.master.clone()
     opt.zero_grad()
     (model(torch.ones(2, 4, dtype=torch.float16)) * opt.loss_scale).backward()
-    opt.buffers.grads[3] = float("inf")  # an overflow in one gradient
+    opt.shard.grads[3] = float("inf")  # an overflow in one gradient
     stats = opt.step(lr=0.01)
     assert stats.skipped.item() == 1.0
-    assert torch.equal(opt.buffers.params, before) and torch.equal(opt.master, master_before)
+    assert torch.equal(opt.shard.flat_params, before) and torch.equal(opt.master, master_before)
     assert opt.loss_scale == 512.0
     opt.zero_grad()
     (model(torch.ones(2, 4, dtype=torch.float16)) * opt.loss_scale).backward()
     stats = opt.step(lr=0.01)
-    assert stats.skipped.item() == 0.0 and not torch.equal(opt.buffers.params, before)
+    assert stats.skipped.item() == 0.0 and not torch.equal(opt.shard.flat_params, before)
 
 
 def test_fp16_unscales_gradients_before_the_update():
@@ -120,4 +119,4 @@ def test_fp16_unscales_gradients_before_the_update():
     ref(x).backward()
     a, b = scaled.step(0.01), unscaled.step(0.01)
     torch.testing.assert_close(a.grad_norm, b.grad_norm, rtol=1e-3, atol=0)
-    assert torch.equal(scaled.buffers.params, unscaled.buffers.params)
+    assert torch.equal(scaled.shard.flat_params, unscaled.shard.flat_params)

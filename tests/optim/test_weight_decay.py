@@ -6,16 +6,14 @@ import torch
 
 from megatron3d.model.gpt import gpt_layer_specs
 from megatron3d.mpu.meta import get_meta
-from megatron3d.optim.flat_buffers import FlatBuffers
 from megatron3d.optim.optimizer import format_param_groups, param_groups
-from megatron3d.optim.shard import Shard
 from megatron3d.pipeline.spec import LayerSpec, build_stage
+from tests.helpers.flat import whole
 from tests.helpers.tiny import layer_context, model_config
 
 
 def _whole(model):
-    buffers = FlatBuffers(list(model.parameters()))
-    shard = Shard.whole(buffers)
+    buffers, shard = whole(list(model.parameters()))
     return buffers, shard, lambda start, end, local: buffers.params[start:end]
 
 
@@ -63,6 +61,6 @@ def test_decay_is_applied_only_to_the_decay_group():
     before = buffers.params.clone()
     buffers.zero_grad()  # zero gradients: only weight decay moves parameters
     opt.step()
-    for seg in buffers.segments:
+    for seg in buffers.layout.segments:
         moved = not torch.equal(before[seg.start:seg.end], buffers.params[seg.start:seg.end])
         assert moved == (not seg.no_weight_decay)

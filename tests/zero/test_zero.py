@@ -69,7 +69,7 @@ def _fp16_overflow(zero: int) -> dict:
     trainer.on_step = lambda it, r: seen.append((r.stats.skipped.item(), r.stats.loss_scale,
                                                  trainer.optimizer.loss_scale))
     trainer.run()
-    return {"steps": seen, "params": trainer.optimizer.buffers.params.clone()}
+    return {"steps": seen, "params": trainer.data_parallel.buffers.params.clone()}
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -105,9 +105,9 @@ def _launch_points() -> tuple[int, int, int]:
     trainer.optimizer.zero_grad()
     trainer.engine.forward_backward(batches, 1.0,
                                     before_last_backward=trainer.grad_sync.before_last_backward)
-    during_backward = len(trainer.grad_sync.reducer.launched)
+    during_backward = len(trainer.data_parallel.reducer.launched)
     trainer.grad_sync()
-    return during_backward, len(trainer.optimizer.buffers.buckets), len(batches)
+    return during_backward, len(trainer.data_parallel.buffers.layout.buckets), len(batches)
 
 
 def test_bucket_reductions_start_during_the_last_backward():

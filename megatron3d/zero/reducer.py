@@ -1,40 +1,44 @@
-"""Data-parallel gradient reduction in buckets, overlapped with the last backward pass.
+"""Data-parallel gradient reduction in buckets, overlapped with the last backward pass
+(ZeRO-0 and ZeRO-1).
 
 Gradients accumulate locally over a step's micro-batches; only the last micro-batch's
 backward produces final gradients. ``arm()`` is called just before that backward: from then
-on, each parameter's post-accumulate hook counts down its bucket, and a bucket whose last
+on, the buffers' gradient hook counts down each parameter's bucket, and a bucket whose last
 gradient has arrived is divided by the DP size and reduced asynchronously while backward
 continues with earlier layers. ``finish()`` reduces whatever did not complete (parameters
 that got no gradient) and waits for everything.
 
 ZeRO-0 all-reduces each bucket in place. ZeRO-1 reduce-scatters it, so each rank receives
 only the averaged gradients of its own slice (``Shard``), which is all its optimizer needs.
+With ``reduce_dtype`` bf16 the gradients travel in bf16 (half the bytes) through one wire
+buffer allocated at start, and are summed back into fp32.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
-from megatron3d.optim.flat_buffers import FlatBuffers
-from megatron3d.optim.shard import Shard
+from megatron3d.zero.buffers import FlatBuffers
+from megatron3d.zero.shard import Shard
 
 
 class GradReducer:
-    def __init__(self, buffers: FlatBuffers, shard: Shard, dp: AxisGroup) -> None:
+    def __init__(self, buffers: FlatBuffers, shard: Shard, dp: AxisGroup,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.buffers, self.shard, self.dp = buffers, shard, dp
-        self._bucket_of: dict[int, int] = {}
-        for index, bucket in enumerate(buffers.buckets):
-            for p in bucket.params:
-                self._bucket_of[id(p)] = index
-                if dp.size > 1:
-                    p.register_post_accumulate_grad_hook(self._on_grad)
         self._armed = False
         self._remaining: list[int] = []
         self._work: list = []
         self._launched: set[int] = set()
+        self._wire = self._wire_out = None
+        if reduce_dtype != torch.float32 and dp.size > 1:
+            self._wire = torch.empty_like(buffers.grads, dtype=reduce_dtype)
+            self._wire_out = (self._wire if shard.is_whole
+                              else torch.empty_like(shard.grads, dtype=reduce_dtype))
+        if dp.size > 1:
+            buffers.on_ready = self._on_ready
 
     @property
     def launched(self) -> frozenset[int]:
@@ -44,41 +48,49 @@ class GradReducer:
     def arm(self) -> None:
         """The next backward is the step's last: reduce buckets as they complete."""
         self._armed = True
-        self._remaining = [len(b.params) for b in self.buffers.buckets]
+        self._remaining = [len(b.params) for b in self.buffers.layout.buckets]
         self._work, self._launched = [], set()
 
-    def _on_grad(self, param: nn.Parameter) -> None:
+    def _on_ready(self, index: int) -> None:
         if not self._armed:
             return
-        index = self._bucket_of[id(param)]
         self._remaining[index] -= 1
         if self._remaining[index] == 0:
             self._launch(index)
 
     def _launch(self, index: int) -> None:
-        bucket = self.buffers.buckets[index]
+        bucket = self.buffers.layout.buckets[index]
         grads = self.buffers.grads[bucket.start:bucket.end]
         grads.div_(self.dp.size)
-        if self.shard.is_whole:
-            work = comm.start_all_reduce(grads, self.dp)
-        else:
+        source, out = grads, None
+        if self._wire is not None:
+            source = self._wire[bucket.start:bucket.end]
+            source.copy_(grads)
+        if not self.shard.is_whole:
             piece = self.shard.pieces[index]
-            out = self.shard.grads[piece.local:piece.local + piece.end - piece.start]
-            work = comm.start_reduce_scatter(out, grads, self.dp)
+            wire_out = self._wire_out if self._wire is not None else self.shard.grads
+            out = wire_out[piece.local:piece.local + piece.end - piece.start]
+        work = (comm.start_all_reduce(source, self.dp) if out is None
+                else comm.start_reduce_scatter(out, source, self.dp))
         if work is not None:
             self._work.append(work)
         self._launched.add(index)
 
     def finish(self) -> None:
         """Complete every bucket's reduction (call after the last backward)."""
-        if self.dp.size == 1 and self.shard.is_whole:
+        if self.dp.size == 1:
             self._armed = False
+            if not self.shard.is_whole:  # a size-1 ZeRO-1 group: its slice is everything
+                self.shard.grads.copy_(self.buffers.grads)
             return
-        for index in range(len(self.buffers.buckets)):
+        for index in range(len(self.buffers.layout.buckets)):
             if index not in self._launched:
                 self._launch(index)
         for work in self._work:
             work.wait()
+        if self._wire is not None:
+            (self.buffers.grads if self.shard.is_whole else self.shard.grads).copy_(
+                self._wire_out)
         self._armed = False
         self._work = []
 

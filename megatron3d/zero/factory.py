@@ -1,0 +1,33 @@
+"""One factory for data parallelism at any ZeRO stage.
+
+It returns the object the optimizer and the training step talk to, whatever the stage:
+``shard`` (what this rank's optimizer updates), ``gather_params`` (after the step),
+``before_last_backward`` / ``finish`` (gradient reduction around the step's last backward),
+``observer`` (told the pipeline program; ZeRO-3 plans its gathers from it), ``values_of`` and
+``materialize`` (parameter values for checks, tests and exports), ``flush`` (before reading
+parameters outside a forward) and ``resident_bytes`` (the memory report).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron3d.config import ParallelConfig
+from megatron3d.mpu.state import AxisGroup
+from megatron3d.zero.layout import Counted
+from megatron3d.zero.stage01 import Zero01
+from megatron3d.zero.stage3.runtime import Zero3
+
+DataParallel = Zero01 | Zero3
+
+
+def build_data_parallel(params: list[nn.Parameter], layers: list[nn.Module], dp: AxisGroup,
+                        parallel: ParallelConfig, counted: Counted,
+                        device: torch.device) -> DataParallel:
+    """Bind ``params`` (a pipeline stage's, in layer order) to the buffers of ZeRO stage
+    ``parallel.zero_stage``; ``counted`` says which parameters this rank counts in the norm."""
+    wire = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32
+    if parallel.zero_stage == 3:
+        return Zero3(layers, dp, parallel, counted, wire, device)
+    return Zero01(params, layers, dp, parallel, counted, wire, device)
