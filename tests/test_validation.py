@@ -138,7 +138,16 @@ BAD = {
     "sequence parallel seq not divisible": (
         {"sequence_parallel": True, "tensor_model_parallel_size": 4, "seq_length": 18,
          "max_position_embeddings": 18}, 4, ["--seq-length=18", "--tensor-model-parallel-size=4"]),
-    "zero 3 not yet": ({"zero_stage": 3}, 1, ["--zero-stage=3", "not supported yet"]),
+    "overlap gather off ZeRO-1": ({"overlap_param_gather": True, "zero_stage": 3}, 1,
+                                  ["--zero-stage=3", "--overlap-param-gather"]),
+    "bf16 and fp32 reduction": ({"grad_reduce_in_bf16": True,
+                                 "accumulate_allreduce_grads_in_fp32": True}, 1,
+                                ["--grad-reduce-in-bf16=True", "drop one"]),
+    "negative prefetch": ({"zero3_prefetch_depth": -1, "zero_stage": 3}, 1,
+                          ["--zero3-prefetch-depth=-1"]),
+    "pool smaller than prefetch": ({"zero3_prefetch_depth": 2, "zero3_max_live_units": 2,
+                                    "zero_stage": 3}, 1,
+                                   ["--zero3-max-live-units=2", ">= 3"]),
 }
 
 

@@ -21,16 +21,23 @@ def _argv(*extra: str, dropout: str = "0.1") -> list[str]:
                       dropout, *extra)
 
 
-def _continue_after_save(directory: str) -> dict:
+ZERO3_TP2_DP2 = ("--tensor-model-parallel-size", "2", "--zero-stage", "3")
+ZERO1_DP4 = ("--zero-stage", "1")
+
+
+def _continue_after_save(directory: str, layout: tuple[str, ...]) -> dict:
     """12 steps straight; 5 steps then save and stop; a fresh trainer loads and runs to 12."""
-    continuous = train(_argv(*LAYOUT_222))
-    stopped = train(_argv(*LAYOUT_222, "--save", directory, "--exit-interval", "5"))
-    resumed = train(_argv(*LAYOUT_222, "--load", directory))
+    continuous = train(_argv(*layout))
+    stopped = train(_argv(*layout, "--save", directory, "--exit-interval", "5"))
+    resumed = train(_argv(*layout, "--load", directory))
     return {"continuous": continuous, "stopped": stopped, "resumed": resumed}
 
 
-def test_resume_at_tp2_pp2_dp2_zero1_is_bitwise_exact(tmp_path):
-    per_rank = run_distributed(_continue_after_save, 8, str(tmp_path / "ckpt"), timeout_s=300)
+@pytest.mark.parametrize(("layout", "world"), [(LAYOUT_222, 8), (ZERO3_TP2_DP2, 4)],
+                         ids=["tp2-pp2-dp2-zero1", "tp2-dp2-zero3"])
+def test_resume_is_bitwise_exact(tmp_path, layout, world):
+    per_rank = run_distributed(_continue_after_save, world, str(tmp_path / "ckpt"), layout,
+                               timeout_s=300)
     runs = {k: merge_ranks([r[k] for r in per_rank]) for k in per_rank[0]}
     assert len(runs["stopped"].losses) == 5 and len(runs["resumed"].losses) == 7
     assert runs["stopped"].losses == runs["continuous"].losses[:5]
@@ -76,3 +83,22 @@ def test_reshard_into_one_process(saved):
     directory, expected = saved
     result = train_single(_argv("--load", directory, "--train-iters", "6", dropout="0"))
     assert result.losses[0] == pytest.approx(expected, rel=1e-6)
+
+
+def _save_then_load(directory: str, saving: tuple[str, ...], loading: tuple[str, ...]) -> tuple:
+    """Save at step 5 in one layout and note step 6's loss; load into another, run step 6
+    (micro-batch 1, so the ramp divides by DP 4 too)."""
+    saving, loading = (*saving, "--micro-batch-size", "1"), (*loading, "--micro-batch-size", "1")
+    train(_argv(*saving, "--save", directory, "--exit-interval", "5", dropout="0"))
+    expected = train(_argv(*saving, "--train-iters", "6", dropout="0")).losses[5]
+    loaded = train(_argv(*loading, "--load", directory, "--train-iters", "6", dropout="0"))
+    return expected, loaded.losses
+
+
+@pytest.mark.parametrize(("saving", "loading"), [(ZERO3_TP2_DP2, ZERO1_DP4),
+                                                 (ZERO1_DP4, ZERO3_TP2_DP2)],
+                         ids=["zero3-tp2-dp2-to-zero1-dp4", "zero1-dp4-to-zero3-tp2-dp2"])
+def test_reshard_between_zero1_and_zero3(tmp_path, saving, loading):
+    expected, losses = run_distributed(_save_then_load, 4, str(tmp_path / "ckpt"), saving,
+                                       loading, timeout_s=300)[-1]
+    assert len(losses) == 1 and losses[0] == pytest.approx(expected, rel=1e-6)

@@ -13,6 +13,7 @@ from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState
 from megatron3d.training.build import build_trainer
 from megatron3d.training.evaluate import evaluate
+from megatron3d.training.loop import Trainer
 from megatron3d.validation import validate
 
 
@@ -25,14 +26,18 @@ class RunResult:
     last_stage: bool = True
 
 
-def train(argv: list[str]) -> RunResult:
-    """Train with ``argv`` on the already-initialised process group (all ranks call this)."""
-    world = torch.distributed.get_world_size()
+def build(argv: list[str]) -> tuple[Trainer, ParallelState]:
+    """The trainer ``pretrain_gpt.py argv`` would run, on the initialised process group."""
     cfg = parse_args(argv)
-    validate(cfg, world)
+    validate(cfg, torch.distributed.get_world_size())
     state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                 cfg.parallel.pipeline_model_parallel_size)
-    trainer = build_trainer(cfg, state, torch.device("cpu"))
+    return build_trainer(cfg, state, torch.device("cpu")), state
+
+
+def train(argv: list[str]) -> RunResult:
+    """Train with ``argv`` on the already-initialised process group (all ranks call this)."""
+    trainer, state = build(argv)
     losses, norms = [], []
 
     def record(_: int, result) -> None:

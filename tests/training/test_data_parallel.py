@@ -1,4 +1,4 @@
-"""Data parallelism and ZeRO-1 across TP x PP x DP train the same model as one process:
+"""Data parallelism and ZeRO-1 (also with overlapped parameter gathers) across TP x PP x DP train the same model as one process:
 per-step losses, grad norms and final parameters, with clipping and a batch-size rampup."""
 
 from __future__ import annotations
@@ -33,11 +33,15 @@ def _reference(flavour: str, ramp: tuple[str, ...]):
     return train_single(_argv(flavour, ramp))
 
 
+VARIANTS = {"ZeRO-0": ("--zero-stage", "0"), "ZeRO-1": ("--zero-stage", "1"),
+            "ZeRO-1 overlapped gather": ("--zero-stage", "1", "--overlap-param-gather")}
+
+
 def _layout_runs(tp: int, pp: int, flavour: str, ramp: tuple[str, ...]) -> list:
-    """One rank: ZeRO-0 then ZeRO-1 in the same processes."""
+    """One rank: every variant in the same processes."""
     layout = ("--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
               str(pp), "--pp-partition-method", "uniform", *BUCKETS)
-    return [train(_argv(flavour, ramp, *layout, "--zero-stage", str(z))) for z in (0, 1)]
+    return [train(_argv(flavour, ramp, *layout, *flags)) for flags in VARIANTS.values()]
 
 
 LAYOUTS = [  # (tp, pp, dp, flavour)
@@ -53,9 +57,9 @@ def test_dp_and_zero1_match_single_process(tp, pp, dp, flavour):
     per_rank = run_distributed(_layout_runs, tp * pp * dp, tp, pp, flavour, ramp,
                                timeout_s=300)
     reference = _reference(flavour, ramp)
-    for zero in (0, 1):
-        merged = merge_ranks([results[zero] for results in per_rank])
+    for index, variant in enumerate(VARIANTS):
+        merged = merge_ranks([results[index] for results in per_rank])
         try:
             assert_same_run(merged, reference, FP32)
         except AssertionError as err:
-            raise AssertionError(f"ZeRO-{zero}, TP={tp} PP={pp} DP={dp}: {err}") from err
+            raise AssertionError(f"{variant}, TP={tp} PP={pp} DP={dp}: {err}") from err
