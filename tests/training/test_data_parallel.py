@@ -1,5 +1,6 @@
-"""Data parallelism and ZeRO-1 (also with overlapped parameter gathers) across TP x PP x DP train the same model as one process:
-per-step losses, grad norms and final parameters, with clipping and a batch-size rampup."""
+"""Data parallelism and ZeRO-1 (also with overlapped parameter gathers) across TP x PP x DP
+train the same model as one process: per-step losses, grad norms and final parameters, with
+clipping and a batch-size rampup."""
 
 from __future__ import annotations
 
