@@ -27,7 +27,10 @@ class ParamGatherer:
         self.pending: dict[int, object] = {}  # bucket index -> in-flight gather
         self.first_use: dict[int, int] = {}  # bucket index -> index of its first layer
         if overlap:
-            layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+            layer_of: dict[int, int] = {}  # the first layer using each parameter (tied!)
+            for i, layer in enumerate(layers):
+                for p in layer.parameters():
+                    layer_of.setdefault(id(p), i)
             for b, bucket in enumerate(buffers.layout.buckets):
                 self.first_use[b] = min(layer_of[id(p)] for p in bucket.params)
             for i, layer in enumerate(layers):

@@ -74,7 +74,12 @@ def _overlapped_gather() -> dict:
     with observing(on_collective):
         trainer.run()
     per_step = trainer.batch_schedule.global_batch_size_at(0) // (2 * state.dp.size)
-    return {"forwards": forwards, "first_use": gatherer.first_use,
+    layers = trainer.engine.stage.layers
+    buckets = trainer.data_parallel.buffers.layout.buckets
+    first_use = {b: next(j for j, layer in enumerate(layers)  # a tied weight: layer 0
+                         if any(p is q for p in layer.parameters() for q in bucket.params))
+                 for b, bucket in enumerate(buckets)}
+    return {"forwards": forwards, "first_use": first_use,
             "in_place": inputs_in_place, "second_step": per_step}
 
 

@@ -1,7 +1,8 @@
 """ZeRO-3 across TP x PP x DP trains the same model as one process: per-step losses, grad
 norms and final parameters, with >= 4 micro-batches per step, clipping active and a rampup
 across two increments, over every fetch option (prefetch depth 0/1/2, all-gather and
-all-reduce fetch, reshard after forward or not, with and without recompute)."""
+all-reduce fetch, reshard after forward or not, with and without recompute, and sequence
+parallelism)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ LAYOUTS = [
     (2, 1, 2, "llama", [(*DEPTH0, *KEEP), (*ALLREDUCE, *RECOMPUTE)]),
     (1, 2, 2, "gpt2", [(), (*DEPTH2, *KEEP), (*DEPTH0, *ALLREDUCE, *RECOMPUTE)]),
     (2, 2, 2, "gpt2", [(*RECOMPUTE,), (*DEPTH2, *ALLREDUCE, *KEEP)]),
-    (2, 2, 2, "llama", [(*DEPTH0,), (*DEPTH2, *RECOMPUTE)]),
+    (2, 2, 2, "llama", [(*DEPTH0,), (*DEPTH2, *RECOMPUTE, "--sequence-parallel")]),
 ]
 
 
