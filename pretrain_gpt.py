@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from megatron3d import device as devices
@@ -18,11 +19,14 @@ from megatron3d.checkpoint import manager as checkpoint
 from megatron3d.config import TrainConfig
 from megatron3d.errors import Megatron3dError
 from megatron3d.log import get_logger, setup_logging
+from megatron3d.mpu import traffic
 from megatron3d.mpu.state import ParallelState
 from megatron3d.mpu.topology import Topology
 from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.build import build_trainer, run_length, valid_samples
 from megatron3d.training.data_setup import dry_run
+from megatron3d.training.flight_recorder import FlightRecorder
+from megatron3d.training.watchdog import Watchdog
 from megatron3d.validation import validate
 
 logger = get_logger("pretrain_gpt")
@@ -47,23 +51,45 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {err}\n")
         return 2
     dev = devices.set_device(env.local_rank)
-    devices.init_process_group(env)
-    try:
+    devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes)
+    recorder = FlightRecorder(cfg.resilience.flight_recorder_size)
+    with traffic.observing(recorder):
         state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                     cfg.parallel.pipeline_model_parallel_size)
-        setup_logging(env.rank, log_rank=env.world_size - 1)
+        watchdog = Watchdog.for_run(cfg, state, recorder).start()
+        try:
+            return _train(cfg, state, dev, started, watchdog)
+        finally:
+            watchdog.stop()
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: float,
+           watchdog: Watchdog) -> int:
+    """Build and run; bad input exits 2, a run that went wrong (non-finite gradients, an
+    unsavable checkpoint) exits 1 with one line, anything unexpected leaves a hang dump."""
+    try:
+        setup_logging(state.world_rank, log_rank=state.world_size - 1)
         logger.info(format_config(cfg))
         logger.info(state.topology.table())
         logger.info("device: %s", devices.describe(dev))
         trainer = build_trainer(cfg, state, dev, started)
     except Megatron3dError as err:  # e.g. a pipeline partition that leaves a stage empty
         sys.stderr.write(f"error: {err}\n")
-        dist.destroy_process_group()
         return 2
+    trainer.engine.observers.append(watchdog.recorder)
+    trainer.heartbeat = watchdog
     try:
         trainer.run()
-    finally:
-        dist.destroy_process_group()
+    except Megatron3dError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 1
+    except Exception as exc:  # e.g. a peer died inside a collective: say where this rank was
+        if not watchdog.fired:
+            first = (str(exc).splitlines() or [""])[0][:160]
+            path = watchdog.dump(f"exception: {type(exc).__name__}: {first}")
+            logger.error("rank %d wrote %s", state.world_rank, path)
+        raise
     return 0
 
 

@@ -1,4 +1,5 @@
-"""How much does megatron3d's training step cost over a minimal plain-PyTorch loop?
+"""How much does megatron3d's training step cost over a minimal plain-PyTorch loop, and what
+do the flight recorder and the hang watchdog add to it?
 
 Both loops train the same GPT (same weights, same micro-batches, same math: AdamW with
 decoupled weight decay on the same parameter groups, global-norm clipping, mean micro-batch
@@ -7,6 +8,12 @@ stepped by ``train_step`` (pipeline engine, flat fp32 gradient buffers, grad sta
 The steps are interleaved (ours, plain, ours, plain, ...) in one process so machine
 noise hits both alike, and the ratio of median step times is printed. Target: <= 1.03.
 
+The second part (``--resilience-world``, default 4 ranks at PP=2 x DP=2 on gloo, where
+collectives exist to record) alternates short blocks of steps without and with the recorder
+(traffic and engine observer) and a running watchdog that gets a heartbeat per step, and
+prints the ratio of median step times plus the recorder's measured cost per operation times
+the operations per step. Target: under 1%.
+
     python benchmarks/overhead.py                  # CPU-sized model
     python benchmarks/overhead.py --hidden 1024 --layers 8 --seq 1024 --bf16   # on a GPU
 """
@@ -14,8 +21,10 @@ noise hits both alike, and the ratio of median step times is printed. Target: <=
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,15 +33,18 @@ import torch.nn.functional as F  # noqa: N812
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_model_args  # noqa: E402
+from benchmarks.common import add_model_args, spawn  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
 from megatron3d.arguments import parse_args  # noqa: E402
 from megatron3d.model.context import LayerContext  # noqa: E402
 from megatron3d.model.gpt import build_gpt  # noqa: E402
+from megatron3d.mpu import traffic  # noqa: E402
 from megatron3d.mpu.meta import get_meta  # noqa: E402
 from megatron3d.mpu.state import AxisGroup, ParallelState  # noqa: E402
 from megatron3d.training.build import build_trainer  # noqa: E402
+from megatron3d.training.flight_recorder import FlightRecorder  # noqa: E402
 from megatron3d.training.step import train_step  # noqa: E402
+from megatron3d.training.watchdog import Watchdog  # noqa: E402
 from megatron3d.validation import validate  # noqa: E402
 
 
@@ -43,6 +55,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per loop")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--resilience-world", type=int, default=4,
+                   help="ranks for the recorder/watchdog part (PP=2 x DP=world/2); 0 skips it")
+    p.add_argument("--blocks", type=int, default=12, help="recorder part: off/on block pairs")
     return p.parse_args()
 
 
@@ -59,17 +74,78 @@ def _plain_step(model, opt, batches, clip: float, lr: float) -> None:
     opt.step()
 
 
+def _argv(a: argparse.Namespace, dp: int = 1, pp: int = 1) -> list[str]:
+    return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
+            "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
+            "--micro-batch-size", str(a.micro_batch), "--pipeline-model-parallel-size", str(pp),
+            "--global-batch-size", str(a.micro_batch * a.micro_batches * dp),
+            "--train-iters", "1", "--lr", "1e-4", "--weight-decay", "0.1", "--clip-grad", "1.0",
+            "--mock-data", "--vocab-size", str(a.vocab), "--hidden-dropout", "0",
+            "--attention-dropout", "0", *(["--bf16"] if a.bf16 else [])]
+
+
+def _with_and_without_recorder(a: argparse.Namespace) -> dict[str, float]:
+    """One rank: alternate blocks of plain steps and steps under recorder + watchdog."""
+    state = ParallelState.build(1, 2)
+    cfg = parse_args(_argv(a, dp=state.dp.size, pp=2))
+    validate(cfg, state.world_size)
+    trainer = build_trainer(cfg, state, devices.device())
+    batches = trainer.train_batches(0, trainer.batch_schedule.global_batch_size_at(0))
+    recorder = FlightRecorder(cfg.resilience.flight_recorder_size)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+
+    def step() -> float:
+        start = time.perf_counter()
+        train_step(trainer.engine, trainer.optimizer, batches, 1e-4, trainer.grad_sync,
+                   trainer.dp)
+        return time.perf_counter() - start
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for block in range(a.warmup + a.blocks):
+            times_off = [step() for _ in range(2)]
+            in_tmp = dataclasses.replace(cfg.resilience, hang_dump_dir=tmp)
+            watchdog = Watchdog.for_run(dataclasses.replace(cfg, resilience=in_tmp), state,
+                                        recorder).start()
+            trainer.engine.observers.append(recorder)
+            with traffic.observing(recorder):
+                times_on = []
+                for i in range(2):
+                    times_on.append(step())
+                    watchdog.beat(block * 2 + i)
+            trainer.engine.observers.remove(recorder)
+            watchdog.stop()
+            if block >= a.warmup:
+                times["off"] += times_off
+                times["on"] += times_on
+    ops_per_step = recorder.ops[-1].seq / (2 * (a.warmup + a.blocks))
+    probe = FlightRecorder(1024)
+    x = torch.zeros(16, 4, 8)
+    start = time.perf_counter()
+    for _ in range(20_000):
+        probe("all_reduce", x, state.dp)
+    per_op = (time.perf_counter() - start) / 20_000
+    return {"off": statistics.median(times["off"]), "on": statistics.median(times["on"]),
+            "ops": ops_per_step, "per_op": per_op}
+
+
+def _resilience_report(a: argparse.Namespace) -> str:
+    ranks = spawn(_with_and_without_recorder, a.resilience_world, a, timeout_s=1800)
+    off = max(r["off"] for r in ranks)
+    on = max(r["on"] for r in ranks)
+    worst = max(ranks, key=lambda r: r["ops"] * r["per_op"] / r["off"])
+    estimate = worst["ops"] * worst["per_op"] / worst["off"]
+    return (f"flight recorder + watchdog at PP=2 x DP={a.resilience_world // 2} "
+            f"({a.resilience_world} gloo ranks, {2 * a.blocks} steps each way in blocks of 2):\n"
+            f"median step (slowest rank): without {off * 1e3:.1f} ms, with {on * 1e3:.1f} ms; "
+            f"ratio {on / off:.4f}\n"
+            f"recorder cost: {worst['per_op'] * 1e6:.2f} us per operation x {worst['ops']:.0f} "
+            f"operations per step = {estimate * 100:.3f}% of a step  (target < 1%)\n")
+
+
 def main() -> None:
     a = _args()
     dev = devices.device()
-    cfg = parse_args([
-        "--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
-        "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
-        "--micro-batch-size", str(a.micro_batch),
-        "--global-batch-size", str(a.micro_batch * a.micro_batches), "--train-iters", "1",
-        "--lr", "1e-4", "--weight-decay", "0.1", "--clip-grad", "1.0", "--mock-data",
-        "--vocab-size", str(a.vocab), "--hidden-dropout", "0", "--attention-dropout", "0",
-        *(["--bf16"] if a.bf16 else [])])
+    cfg = parse_args(_argv(a))
     validate(cfg, 1)
     trainer = build_trainer(cfg, ParallelState.single(), dev)
     dtype = trainer.engine.dtype
@@ -106,6 +182,8 @@ def main() -> None:
         f"median step: megatron3d {ours_s * 1e3:.1f} ms, plain PyTorch {plain_s * 1e3:.1f} ms "
         f"over {a.steps} interleaved steps each\n"
         f"overhead ratio (megatron3d / plain): {ours_s / plain_s:.3f}  (target <= 1.03)\n")
+    if a.resilience_world:
+        sys.stdout.write(_resilience_report(a))
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def _one_micro_batch(a: argparse.Namespace, sequence_parallel: bool) -> Tally:
     counter = PhaseCounter()
     state = ParallelState.build(a.tp_size, 1).counted(counter)  # before the model exists
     dev = torch.device("cpu")
-    rng = RNGStreams.create(a.seed, state.tp.rank, dev)
+    rng = RNGStreams.create(a.seed, state.tp.rank, state.pp.rank, dev)
     ctx = LayerContext(_model_config(a), state.tp, a.seed, torch.float32, dev, rng,
                        sequence_parallel=sequence_parallel)
     model = build_gpt(ctx)

@@ -265,6 +265,30 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResilienceConfig:
+    """What happens when a run hangs or diverges: watchdog, hang dumps, non-finite steps."""
+
+    hang_timeout: float = _opt(
+        300.0, "Seconds without a finished step after which every rank writes a hang dump "
+        "(stacks, recent collectives, coordinates) and exits non-zero; 0 disables the watchdog.")
+    hang_startup_timeout: float = _opt(
+        1800.0, "The watchdog's allowance during start-up, checkpoint load and save, "
+        "evaluation, and until the first step finishes.")
+    hang_dump_dir: str | None = _opt(
+        None, "Directory for hang dumps (rank-XXXXX.txt); default SAVE/hang, or ./hang "
+        "without --save. SIGUSR2 writes a dump there without stopping the run.")
+    flight_recorder_size: int = _opt(
+        2048, "Collective and point-to-point operations each rank remembers for hang dumps.")
+    distributed_timeout_minutes: int = _opt(
+        10, "Timeout of every collective in the process group; keep it above --hang-timeout "
+        "so the watchdog reports a hang before the backend aborts.")
+    check_for_nan_in_loss_and_grad: bool = _opt(
+        False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
+        "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "
+        "on every rank and counted in 'number of nan iterations'.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The whole run; each section is one concern."""
 
@@ -277,6 +301,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -289,5 +314,6 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
+    "resilience": ResilienceConfig,
 }
 """Section name -> dataclass, in the order flags are listed in ``--help``."""

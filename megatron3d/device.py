@@ -6,6 +6,7 @@ runs on CPU with gloo (tests, laptops) and on GPUs with NCCL (clusters).
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -85,12 +86,16 @@ def describe(dev: torch.device) -> str:
     return f"CPU x{os.cpu_count()} threads={torch.get_num_threads()} (torch {torch.__version__})"
 
 
-def init_process_group(env: LaunchEnv) -> None:
+def init_process_group(env: LaunchEnv, timeout_minutes: float = 10.0) -> None:
     """Join the job's process group; a plain one-process run gets a private in-memory store,
-    so the code path (groups, collectives) is the same as under torchrun."""
+    so the code path (groups, collectives) is the same as under torchrun. ``timeout_minutes``
+    bounds every collective (--distributed-timeout-minutes)."""
     if dist.is_initialized():
         return
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if env.launched:
-        dist.init_process_group(backend(), rank=env.rank, world_size=env.world_size)
+        dist.init_process_group(backend(), rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
     else:
-        dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)

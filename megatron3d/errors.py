@@ -1,12 +1,12 @@
 """User-facing errors: each carries one line saying what is wrong, the value, and the fix.
 
 Entry points catch these, print the message and exit with code 2, so a user never sees a
-traceback for bad input. Internal invariants use ``assert`` instead.
+traceback for bad input or a run that went wrong. Internal invariants use ``assert`` instead.
 """
 
 
 class Megatron3dError(Exception):
-    """Base class for errors caused by the user's input rather than a bug."""
+    """Base class for errors a user can act on (bad input, a run gone wrong), not bugs."""
 
 
 class ConfigError(Megatron3dError):
@@ -19,3 +19,7 @@ class DataError(Megatron3dError):
 
 class CheckpointError(Megatron3dError):
     """A checkpoint is missing, incomplete or does not fit the configured model."""
+
+
+class TrainingError(Megatron3dError):
+    """The run itself went wrong: non-finite gradients, a hang."""

@@ -1,8 +1,11 @@
-"""Optional NVIDIA apex kernels with plain-torch fallbacks.
+"""Optional NVIDIA apex kernels with plain-torch fallbacks, and the AdamW every run uses.
 
 apex is not on PyPI, so it is probed once at import; every caller gets the same math either
-way. The fused versions are used only on CUDA tensors: the tests (CPU) always run the
-fallbacks, which are the reference.
+way. The fused norms are used only on CUDA tensors: the tests (CPU) always run the fallbacks,
+which are the reference. AdamW is torch's fused kernel on every device, never apex's
+FusedAdam: it is as fast on GPUs, it skips a step on the device when told through
+``found_inf`` (params, moments and step untouched; see ``optim/mixed_precision.py``), and it
+keeps its step per parameter where checkpoints look for it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ def _probe(module: str, name: str):
 
 _APEX_LAYER_NORM = _probe("apex.normalization.fused_layer_norm", "fused_layer_norm_affine")
 _APEX_RMS_NORM = _probe("apex.normalization.fused_layer_norm", "fused_rms_norm_affine")
-_APEX_FUSED_ADAM = _probe("apex.optimizers", "FusedAdam")
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -43,10 +45,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def adamw(param_groups: list[dict], lr: float, betas: tuple[float, float],
           eps: float) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay: apex FusedAdam on CUDA if present, else torch's."""
-    on_cuda = all(p.is_cuda for g in param_groups for p in g["params"])
-    if _APEX_FUSED_ADAM is not None and on_cuda:
-        return _APEX_FUSED_ADAM(param_groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
-    if on_cuda:
-        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, fused=True)
-    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, foreach=True)
+    """torch's fused AdamW (decoupled weight decay), on CPU and CUDA alike: one code path,
+    the one the tests check."""
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, fused=True)

@@ -34,6 +34,7 @@ _AT_LEAST_ONE = (
     "make_vocab_size_divisible_by", "train_iters", "train_samples",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "lr_decay_iters",
     "lr_decay_samples", "loss_scale_window", "hysteresis", "log_interval", "eval_interval",
+    "distributed_timeout_minutes",
 )
 _POSITIVE = (
     "lr", "adam_eps", "layernorm_epsilon", "rotary_base", "init_method_std", "loss_scale",
@@ -41,7 +42,7 @@ _POSITIVE = (
 )
 _NON_NEGATIVE = (
     "min_lr", "weight_decay", "clip_grad", "lr_warmup_iters", "lr_warmup_samples", "eval_iters",
-    "seed",
+    "seed", "hang_timeout", "hang_startup_timeout", "flight_recorder_size",
 )
 _PROBABILITY = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")  # [0, 1)
 _ZERO_STAGES = (0, 1, 3)
@@ -99,6 +100,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_batch(cfg, world_size)
     _check_checkpoint(values)
     _check_zero(cfg)
+    _check_watchdog(values)
 
 
 def _check_required(values: dict[str, Any]) -> None:
@@ -380,3 +382,14 @@ def _check_zero(cfg: TrainConfig) -> None:
                       "zero3_prefetch_depth": parallel.zero3_prefetch_depth},
                      f"give --zero3-max-live-units >= {parallel.zero3_prefetch_depth + 1} "
                      "or 0 for that default")
+
+
+def _check_watchdog(values: dict[str, Any]) -> None:
+    """The watchdog must fire before the backend's own timeout, or no dump is ever written."""
+    limit = values["distributed_timeout_minutes"] * 60
+    if values["hang_timeout"] >= limit:
+        raise _error("the hang watchdog would fire after the process group times out",
+                     {"hang_timeout": values["hang_timeout"],
+                      "distributed_timeout_minutes": values["distributed_timeout_minutes"]},
+                     f"give --hang-timeout below {limit} seconds or raise "
+                     "--distributed-timeout-minutes")

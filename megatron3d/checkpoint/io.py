@@ -60,12 +60,15 @@ def publish(root: Path, iteration: int) -> None:
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest`` names)."""
+    """Keep the newest ``keep_last`` (>= 1) checkpoints up to the one ``latest`` names; delete
+    the older ones. Called only after ``publish``, so ``latest`` is the newest known-good one and
+    always stays; directories past it (an unpublished save, a resumed run's abandoned future)
+    are left for the user. Ordered by iteration, not by name."""
     latest = read_latest(root)
-    done = sorted(p for p in root.glob("iter_*") if not p.name.endswith(".tmp"))
-    for old in done[:-keep_last] if keep_last > 0 else []:
-        if old != iteration_dir(root, latest):
-            shutil.rmtree(old)
+    done = sorted((int(p.name[len("iter_"):]), p) for p in root.glob("iter_*")
+                  if p.name[len("iter_"):].isdigit())
+    for _, old in [d for d in done if d[0] <= latest][:-keep_last]:  # latest is the last
+        shutil.rmtree(old)
 
 
 def read_latest(root: Path) -> int:

@@ -35,6 +35,8 @@ logger = get_logger(__name__)
 # Model fields that may differ from the checkpoint's: they change how the model runs, not
 # which model it is.
 RUN_ONLY_MODEL_FIELDS = {"checkpoint_activations", "hidden_dropout", "attention_dropout"}
+# Sections about how this run is operated, not what it trains: never reported as changed.
+_RUN_SECTIONS = {"checkpoint", "resilience"}
 
 
 @dataclass(frozen=True)
@@ -51,17 +53,19 @@ def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
 
 def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
          optimizer: MixedPrecisionOptimizer, progress: Progress, rng: RNGStreams) -> None:
-    """Every rank writes its own file; rank 0 publishes the checkpoint when all are done."""
+    """Every rank writes its own file; rank 0 publishes the checkpoint when all are done.
+    Non-finite weights or moments are refused on every rank before anything is written."""
     path = Path(root)
     final = io.iteration_dir(path, progress.iteration)
     tmp = final.with_name(final.name + ".tmp")
     if io.is_published(path, progress.iteration):  # e.g. the interval and the end coincide
         return
+    local = optimizer.local_state()
+    _check_finite(local, state, progress.iteration, path)
     if state.world_rank == 0:
         io.clear_for_save(path, progress.iteration)
         tmp.mkdir()
     comm.barrier(state.world)
-    local = optimizer.local_state()
     chunks = make_chunks(params, optimizer.shard, local, state, cfg.parallel.zero_stage, KINDS)
     io.write_rank(tmp, state.world_rank, {"chunks": chunks, "rng": _capture_rng(rng)})
     comm.barrier(state.world)
@@ -76,6 +80,18 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
             io.prune(path, cfg.checkpoint.keep_last_n)
     comm.barrier(state.world)
     logger.info("saved checkpoint at iteration %d to %s", progress.iteration, final)
+
+
+def _check_finite(local: dict[str, torch.Tensor], state: ParallelState, iteration: int,
+                  root: Path) -> None:
+    """Raise on every rank if any rank's fp32 weights or Adam moments hold a NaN/Inf, so a
+    save never replaces a good checkpoint with a poisoned one (one sync, at save time)."""
+    bad = torch.stack([~torch.isfinite(local[k]).all() for k in KINDS]).any().float()
+    if comm.all_reduce(bad.reshape(1), state.world, op=comm.MAX).item():
+        raise CheckpointError(
+            f"the weights at iteration {iteration} are not finite (NaN/Inf in the fp32 weights "
+            f"or Adam moments): nothing was written and the previous checkpoints in {root} "
+            "are kept; resume from the last good one with --load and a lower --lr")
 
 
 def find(root: str) -> Path | None:
@@ -113,9 +129,9 @@ def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
     if wrong:
         raise CheckpointError("the checkpoint is of a different model (" + "; ".join(wrong)
                               + "): change these flags or pass --use-checkpoint-args")
-    changed = [f"{section}.{k}: {saved[section].get(k)!r} -> {v!r}"
-               for section, values in mine.items() if section != "checkpoint"
-               for k, v in values.items() if _norm(saved[section].get(k)) != _norm(v)]
+    changed = [f"{section}.{k}: {saved.get(section, {}).get(k)!r} -> {v!r}"
+               for section, values in mine.items() if section not in _RUN_SECTIONS
+               for k, v in values.items() if _norm(saved.get(section, {}).get(k)) != _norm(v)]
     if changed:
         logger.info("applying settings that differ from the checkpoint's: %s", "; ".join(changed))
 

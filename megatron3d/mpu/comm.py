@@ -27,11 +27,12 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 
-def _check(axis: AxisGroup, kind: str, tensor: torch.Tensor) -> None:
+def _check(axis: AxisGroup, kind: str, tensor: torch.Tensor, peer: int | None = None,
+           tag: object = None) -> None:
     if axis.group is None:
         raise ValueError(f"{kind} on an axis of size {axis.size} without a process group "
                          "(this rank is not a member, or the state was built without dist)")
-    traffic.notify(kind, tensor, axis)
+    traffic.notify(kind, tensor, axis, peer, tag)
 
 
 def all_reduce(t: torch.Tensor, axis: AxisGroup, op: dist.ReduceOp = SUM) -> torch.Tensor:
@@ -78,42 +79,44 @@ def reduce_scatter(t: torch.Tensor, axis: AxisGroup, dim: int,
     return out.movedim(0, dim)
 
 
-def start_all_reduce(t: torch.Tensor, axis: AxisGroup) -> dist.Work | None:
+def start_all_reduce(t: torch.Tensor, axis: AxisGroup, tag: object = None) -> dist.Work | None:
     """Begin summing flat ``t`` in place over the axis; wait on the returned work (None when
-    there is nothing to do). For overlapping gradient reduction with backward."""
+    there is nothing to do). For overlapping gradient reduction with backward. ``tag`` (here
+    and below) tells the observers what the operation serves, e.g. a bucket or ZeRO unit."""
     if axis.size == 1:
         return None
-    _check(axis, "all_reduce", t)
+    _check(axis, "all_reduce", t, tag=tag)
     return dist.all_reduce(t, group=axis.group, async_op=True)
 
 
-def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor,
-                         axis: AxisGroup) -> dist.Work | None:
+def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
+                         tag: object = None) -> dist.Work | None:
     """Begin summing flat ``t`` over the axis into ``out`` (this rank's 1/size chunk)."""
     if axis.size == 1:
         out.copy_(t)
         return None
-    _check(axis, "reduce_scatter", t)
+    _check(axis, "reduce_scatter", t, tag=tag)
     return _reduce_scatter_single(out, t, group=axis.group, async_op=True)
 
 
-def all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup) -> None:
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
+                    tag: object = None) -> None:
     """Concatenate every rank's flat ``t`` into ``out``. ``t`` may be this rank's own chunk
     of ``out`` (in place, no staging copy)."""
-    work = start_all_gather_into(out, t, axis)
+    work = start_all_gather_into(out, t, axis, tag)
     if work is not None:
         work.wait()
 
 
-def start_all_gather_into(out: torch.Tensor, t: torch.Tensor,
-                          axis: AxisGroup) -> dist.Work | None:
+def start_all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
+                          tag: object = None) -> dist.Work | None:
     """Begin ``all_gather_into``; wait on the returned work (None when already done). On
     NCCL the wait orders the caller's stream after the gather without blocking the host."""
     if axis.size == 1:
         if out.data_ptr() != t.data_ptr():
             out.copy_(t)
         return None
-    _check(axis, "all_gather", t)
+    _check(axis, "all_gather", t, tag=tag)
     return _all_gather_single(out, t, group=axis.group, async_op=True)
 
 
@@ -126,19 +129,20 @@ def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
     return t
 
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-             axis: AxisGroup) -> None:
-    """Post every send ``(tensor, dst_index)`` and receive ``(buffer, src_index)`` together,
-    then wait for all of them (pipeline neighbours sending to each other at once cannot
-    deadlock). This is the only point-to-point path, so messages between two ranks always
-    travel in the order they are listed."""
+def exchange(sends: list[tuple], recvs: list[tuple], axis: AxisGroup) -> None:
+    """Post every send ``(tensor, dst_index[, tag])`` and receive ``(buffer, src_index[,
+    tag])`` together, then wait for all of them (pipeline neighbours sending to each other at
+    once cannot deadlock). This is the only point-to-point path, so messages between two ranks
+    always travel in the order they are listed."""
     ops = []
-    for t, dst in sends:
-        _check(axis, "send", t)
-        ops.append(dist.P2POp(dist.isend, t.contiguous(), axis.ranks[dst], group=axis.group))
-    for t, src in recvs:
-        _check(axis, "recv", t)
-        ops.append(dist.P2POp(dist.irecv, t, axis.ranks[src], group=axis.group))
+    for t, dst, *tag in sends:
+        peer = axis.ranks[dst]
+        _check(axis, "send", t, peer, tag[0] if tag else None)
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group=axis.group))
+    for t, src, *tag in recvs:
+        peer = axis.ranks[src]
+        _check(axis, "recv", t, peer, tag[0] if tag else None)
+        ops.append(dist.P2POp(dist.irecv, t, peer, group=axis.group))
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()

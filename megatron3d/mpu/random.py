@@ -7,8 +7,10 @@ whichever rank or pipeline stage builds it.
 ``RNGStreams`` holds the dropout streams: the device's default generator is the "default"
 stream (same seed on every TP rank, for dropout on replicated activations) and named extra
 streams, such as "model-parallel" (offset by the TP rank, for dropout on TP-split
-activations), are swapped in with ``fork()``. Its state is saved in checkpoints and restored
-for activation recompute.
+activations), are swapped in with ``fork()``. Both are offset by the pipeline rank, as in
+Megatron, so stages do not draw the same masks in the same order. Dropout therefore depends
+on the layout (initialisation does not). The state is saved in checkpoints and restored for
+activation recompute.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 MODEL_PARALLEL = "model-parallel"
 _MODEL_PARALLEL_SEED_OFFSET = 2718  # keeps the TP stream away from the default seed
+_PIPELINE_SEED_STRIDE = 100  # Megatron's per-stage offset of both streams' seeds
 
 
 def stable_seed(seed: int, name: str) -> int:
@@ -84,8 +87,10 @@ class RNGStreams:
         self._states: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def create(cls, seed: int, tp_rank: int, dev: torch.device) -> RNGStreams:
-        """Seed the default stream (CPU and every device) with ``seed``; add the TP stream."""
+    def create(cls, seed: int, tp_rank: int, pp_rank: int, dev: torch.device) -> RNGStreams:
+        """Seed the default stream (CPU and every device) from ``seed`` and the pipeline
+        stage; add the TP stream, which also differs per TP rank."""
+        seed += _PIPELINE_SEED_STRIDE * pp_rank
         torch.manual_seed(seed)
         streams = cls(dev)
         streams.add(MODEL_PARALLEL, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)

@@ -24,12 +24,15 @@ class AxisGroup:
     rank: index of this process inside ``ranks``.
     size: number of members.
     ranks: global ranks of the members, in axis order.
+    name: which axis ("tp", "pp", ...): tells two groups with the same members apart in
+        hang dumps.
     """
 
     group: dist.ProcessGroup | None
     rank: int
     size: int
     ranks: tuple[int, ...]
+    name: str = ""
 
     @classmethod
     def single(cls, world_rank: int = 0) -> AxisGroup:
@@ -78,7 +81,7 @@ class ParallelState:
                                "use ParallelState.single() for one process")
         world_rank, world_size = dist.get_rank(), dist.get_world_size()
         topo = Topology(world_size=world_size, tp=tp_size, pp=pp_size)
-        axes = {name: _create_groups(groups, world_rank) for name, groups in (
+        axes = {name: _create_groups(name, groups, world_rank) for name, groups in (
             ("tp", topo.tp_groups()), ("pp", topo.pp_groups()), ("dp", topo.dp_groups()),
             ("mp", topo.model_parallel_groups()), ("embedding", topo.embedding_groups()))}
         return cls(**axes, world_rank=world_rank, world_size=world_size, topology=topo)
@@ -89,7 +92,7 @@ class ParallelState:
         if self.world_size == 1:
             return AxisGroup.single(self.world_rank)
         return AxisGroup(group=dist.group.WORLD, rank=self.world_rank, size=self.world_size,
-                         ranks=tuple(range(self.world_size)))
+                         ranks=tuple(range(self.world_size)), name="world")
 
     @property
     def is_first_stage(self) -> bool:
@@ -104,12 +107,12 @@ class ParallelState:
         return self.embedding.is_member
 
 
-def _create_groups(groups: RankGroups, world_rank: int) -> AxisGroup:
+def _create_groups(name: str, groups: RankGroups, world_rank: int) -> AxisGroup:
     """Call new_group for every member list; return this rank's view of its own group."""
     mine = AxisGroup.absent()
     for ranks in groups:
         group = dist.new_group(list(ranks))
         if world_rank in ranks:
             mine = AxisGroup(group=group, rank=ranks.index(world_rank), size=len(ranks),
-                             ranks=ranks)
+                             ranks=ranks, name=name)
     return mine

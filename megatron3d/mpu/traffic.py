@@ -18,8 +18,10 @@ import torch
 if TYPE_CHECKING:
     from megatron3d.mpu.state import AxisGroup
 
-Observer = Callable[[str, torch.Tensor, "AxisGroup"], None]
-"""(kind, the tensor this rank contributes, the axis) for each collective issued."""
+Observer = Callable[[str, torch.Tensor, "AxisGroup", "int | None", object], None]
+"""(kind, the tensor this rank contributes, the axis, the peer's global rank for a send or
+receive (else None), the caller's tag (e.g. which ZeRO unit or micro-batch), or None) for
+each operation issued."""
 
 _observers: tuple[Observer, ...] = ()
 
@@ -35,9 +37,10 @@ def observing(observer: Observer) -> Iterator[Observer]:
         _observers = tuple(o for o in _observers if o is not observer)
 
 
-def notify(kind: str, tensor: torch.Tensor, axis: AxisGroup) -> None:
+def notify(kind: str, tensor: torch.Tensor, axis: AxisGroup, peer: int | None = None,
+           tag: object = None) -> None:
     for observer in _observers:
-        observer(kind, tensor, axis)
+        observer(kind, tensor, axis, peer, tag)
 
 
 class CommCounter:
@@ -53,7 +56,8 @@ class CommCounter:
         self.calls: defaultdict[str, int] = defaultdict(int)
         self._groups = [axis.group for axis in only]
 
-    def __call__(self, kind: str, tensor: torch.Tensor, axis: AxisGroup) -> None:
+    def __call__(self, kind: str, tensor: torch.Tensor, axis: AxisGroup,
+                 peer: int | None = None, tag: object = None) -> None:
         if self._groups and not any(axis.group is g for g in self._groups):
             return
         self.bytes[kind] += tensor.numel() * tensor.element_size()

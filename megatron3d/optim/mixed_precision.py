@@ -6,12 +6,25 @@ own model parameters (no copy). bf16/fp16 model: an fp32 master copy of the shar
 and copied back into the low-precision parameters. ``gather_params`` then brings the other
 ranks' updated slices (ZeRO-1's all-gather; nothing without ZeRO, and nothing under ZeRO-3,
 whose units are gathered when they next run).
+
+A step whose global gradient norm is NaN or Inf is skipped on every rank, decided on the
+device: the norm is summed over every axis holding counted gradients (and the flag agreed over
+DP replicas without ZeRO), so all ranks decide alike. The flag is handed to torch's fused
+AdamW as ``found_inf`` (GradScaler's hook; fused AdamW runs on CPU too, so the tests check the
+GPU's code path), whose kernel then leaves parameters, moments and step untouched: no host
+sync and no copy of the state; the master -> parameter copy rewrites the same values. fp16
+also needs the flag on the host to adjust the loss scale: the one sync per step every fp16
+trainer pays.
+
+Adam's step count lives per parameter in torch's optimizers and in the param groups in apex's
+FusedAdam; ``local_state``/``load_local_state`` read and restore it in either place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +43,10 @@ class StepStats:
 
     grad_norm: torch.Tensor
     num_zeros: torch.Tensor
-    skipped: torch.Tensor  # 1.0 if the step was skipped (fp16 overflow), else 0.0
+    skipped: torch.Tensor  # 1.0 if the step was skipped (non-finite grad norm), else 0.0
+    # 1.0 if skipped for a NaN/Inf grad norm in bf16/fp32. Always 0.0 in fp16, whose
+    # overflows are routine loss-scale events counted as skipped only.
+    nan: torch.Tensor
     loss_scale: float
 
 
@@ -41,8 +57,8 @@ class MixedPrecisionOptimizer:
                  replica_axes: list[AxisGroup] = ()) -> None:
         """``norm_axes``: where the counted gradients are spread (model-parallel ranks, and
         DP under ZeRO-1/3). ``replica_axes``: ranks holding copies of the same gradients (DP
-        without ZeRO); the fp16 skip decision is agreed over them too, so a replica that
-        overflows alone cannot step differently from the others."""
+        without ZeRO); the skip decision is agreed over them too, so a replica whose gradients
+        went non-finite alone cannot step differently from the others."""
         self.shard = shard
         self.clip_grad = optim.clip_grad
         self.norm_axes = norm_axes
@@ -63,7 +79,7 @@ class MixedPrecisionOptimizer:
                                    optim.adam_beta2), eps=optim.adam_eps)
         self.scaler = LossScaler.from_config(precision) if precision.fp16 else None
         self._counted = shard.counted_grads()
-        self._not_skipped = torch.zeros((), device=shard.grads.device)
+        self._zero = torch.zeros((), device=shard.grads.device)
 
     def _master_part(self, start: int, end: int, local: int) -> torch.Tensor:
         if self.master is None:
@@ -90,9 +106,24 @@ class MixedPrecisionOptimizer:
             for p, (local, n) in zip(params, self._locals, strict=True):
                 if p in self.inner.state:
                     result[key][local:local + n] = self.inner.state[p][key].view(-1)
-        first = self.inner.state.get(params[0], {}) if params else {}
-        result["step"] = torch.as_tensor(float(first.get("step", 0.0)))
+        result["step"] = torch.as_tensor(self._step_count())
         return result
+
+    def _step_count(self) -> float:
+        """Adam's step: from the per-parameter state if present (torch), else from the param
+        groups (apex FusedAdam), else 0 (no step taken yet)."""
+        groups = self.inner.param_groups
+        states = [self.inner.state.get(p, {}) for g in groups for p in g["params"]]
+        per_param = next((s["step"] for s in states if "step" in s), None)
+        in_group = next((g["step"] for g in groups if "step" in g), 0.0)
+        return float(per_param if per_param is not None else in_group)
+
+    def _step_in_groups(self) -> bool:
+        """Whether the inner optimizer counts steps in its param groups: apex's FusedAdam
+        does (creating the key at its first step), every torch.optim optimizer counts per
+        parameter."""
+        return (any("step" in g for g in self.inner.param_groups)
+                or not type(self.inner).__module__.startswith("torch.optim"))
 
     def load_local_state(self, state: dict[str, torch.Tensor], weights_only: bool) -> None:
         """Install what ``local_state`` returned (possibly from another layout, resharded by
@@ -102,17 +133,23 @@ class MixedPrecisionOptimizer:
             self._master_part(p.start, p.end, p.local).copy_(part)
             self.shard.param_part(p.start, p.end, p.local).copy_(part)
         self.gather_params()
+        in_groups = self._step_in_groups()
+        self.inner.state.clear()
+        for group in self.inner.param_groups:
+            current = group.pop("step", None)
+            if in_groups and not weights_only:
+                group["step"] = _group_step(current, state["step"])
         if weights_only:
-            self.inner.state.clear()
             return
         params = [(p, g.get("fused") or g.get("capturable"))
                   for g in self.inner.param_groups for p in g["params"]]
         for (p, on_device), (local, n) in zip(params, self._locals, strict=True):
-            self.inner.state[p] = {  # fused/capturable Adam keeps its step on the device
-                "step": state["step"].to(device=p.device if on_device else "cpu",
-                                         dtype=torch.float32, copy=True),
+            self.inner.state[p] = {
                 "exp_avg": state["exp_avg"][local:local + n].clone().view_as(p),
                 "exp_avg_sq": state["exp_avg_sq"][local:local + n].clone().view_as(p)}
+            if not in_groups:  # fused/capturable Adam keeps its step on the device
+                self.inner.state[p]["step"] = state["step"].to(
+                    device=p.device if on_device else "cpu", dtype=torch.float32, copy=True)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: fp32 master copy and Adam moments."""
@@ -121,32 +158,48 @@ class MixedPrecisionOptimizer:
                       for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
         return master + moments
 
-    def _overflow_anywhere(self, norm: torch.Tensor) -> bool:
-        """Whether any rank's gradients hold an inf/NaN (the one fp16 host sync per step)."""
+    def _nonfinite_anywhere(self, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flag, norm): flag 1.0 if the global grad norm is NaN/Inf on any replica, else 0.0,
+        on the device. Ranks sharing counted gradients already see one norm; replicas compute
+        theirs from their own copy, so the flag is agreed here (no host sync), and a replica
+        whose own norm was finite reports NaN, so every rank reports the step alike."""
         flag = (~torch.isfinite(norm)).float().reshape(1)
         for axis in self.replica_axes:
             flag = comm.all_reduce(flag, axis, op=comm.MAX)
-        return bool(flag)
+        flag = flag.reshape(())
+        return flag, torch.where((flag != 0) & torch.isfinite(norm), torch.nan, norm)
 
     def step(self, lr: float) -> StepStats:
-        """Unscale, measure, clip and apply the accumulated gradients at learning rate lr."""
+        """Unscale, measure, clip and apply the accumulated gradients at learning rate lr;
+        skip the step on every rank if the global grad norm is not finite."""
         grads = self.shard.grads
         scale = self.loss_scale
         if scale != 1.0:
             grads.mul_(1.0 / scale)
         stats = grad_stats(self._counted, self.norm_axes, grads.device)
+        skip, norm = self._nonfinite_anywhere(stats.norm)
         if self.scaler is not None:
-            found_inf = self._overflow_anywhere(stats.norm)
-            self.scaler.update(found_inf)
-            if found_inf:
-                return StepStats(stats.norm, stats.num_zeros, self._not_skipped + 1.0, scale)
-        clip_(grads, self.clip_grad, stats.norm)
+            overflow = bool(skip)  # the one fp16 host sync per step
+            self.scaler.update(overflow)
+            if overflow:
+                return StepStats(norm, stats.num_zeros, skip, self._zero, scale)
+        clip_(grads, self.clip_grad, norm)
         for group in self.inner.param_groups:
             group["lr"] = lr
+        self.inner.found_inf = skip  # 1.0: the fused kernel leaves params, moments, step as is
         self.inner.step()
         if self.master is not None:
             for piece in self.shard.pieces:
                 self.shard.param_part(piece.start, piece.end, piece.local).copy_(
                     self._master_part(piece.start, piece.end, piece.local))
         self.gather_params()
-        return StepStats(stats.norm, stats.num_zeros, self._not_skipped, scale)
+        nan = self._zero if self.scaler is not None else skip
+        return StepStats(norm, stats.num_zeros, skip, nan, scale)
+
+
+def _group_step(current: Any, step: torch.Tensor) -> Any:
+    """A loaded step in the type a param group holds it: apex keeps an int, or a device
+    tensor when capturable."""
+    if torch.is_tensor(current):
+        return torch.full_like(current, float(step))
+    return int(step)

@@ -57,7 +57,7 @@ class PipelineEngine:
         self.schedule = schedule
         self.first = pp.rank == 0
         self.last = pp.rank == pp.size - 1
-        self.observer: ProgramObserver | None = None
+        self.observers: list[ProgramObserver] = []  # told each program as it runs
         if pp.size > 1:
             self._handshake()
 
@@ -83,8 +83,8 @@ class PipelineEngine:
     def _run(self, program: list[Instruction | _Call], batches: list[Batch],
              weight: float) -> torch.Tensor:
         run = _Run(total=torch.zeros((), dtype=torch.float32, device=self.device))
-        observer = self.observer
-        if observer is not None:
+        observers = self.observers
+        for observer in observers:
             observer.begin([s for s in program if not isinstance(s, _Call)])
         for step in program:
             if isinstance(step, Exchange):
@@ -95,9 +95,9 @@ class PipelineEngine:
                 self._backward(step.micro_batch, run)
             else:
                 step.fn()
-            if observer is not None:
+            for observer in observers:
                 observer.after(step)
-        if observer is not None:
+        for observer in observers:
             observer.end()
         return run.total / len(batches)
 
@@ -124,15 +124,16 @@ class PipelineEngine:
         if step.send_forward is not None:
             mb = step.send_forward  # training keeps the output for its backward
             out = run.outputs[mb] if torch.is_grad_enabled() else run.outputs.pop(mb)
-            sends.append((out.detach(), self.pp.rank + 1))
+            sends.append((out.detach(), self.pp.rank + 1, ("F", mb)))
         if step.send_backward is not None:
-            sends.append((run.inputs.pop(step.send_backward).grad, self.pp.rank - 1))
-        if step.recv_forward is not None:
+            mb = step.send_backward
+            sends.append((run.inputs.pop(mb).grad, self.pp.rank - 1, ("B", mb)))
+        if step.recv_forward is not None:  # tags name what a message is, for hang dumps
             received.append((run.inputs, step.recv_forward, self._buffer()))
-            recvs.append((received[-1][2], self.pp.rank - 1))
+            recvs.append((received[-1][2], self.pp.rank - 1, ("F", step.recv_forward)))
         if step.recv_backward is not None:
             received.append((run.output_grads, step.recv_backward, self._buffer()))
-            recvs.append((received[-1][2], self.pp.rank + 1))
+            recvs.append((received[-1][2], self.pp.rank + 1, ("B", step.recv_backward)))
         comm.exchange(sends, recvs, self.pp)
         for store, mb, tensor in received:
             store[mb] = tensor.requires_grad_(store is run.inputs and torch.is_grad_enabled())
@@ -142,17 +143,24 @@ class PipelineEngine:
 
     def _handshake(self) -> None:
         """Agree once that neighbours send what this stage expects: a launch with mismatched
-        model flags fails here with both shapes instead of hanging or misreading bytes."""
+        model flags fails here, on both sides of the mismatch and with both shapes, instead
+        of hanging or misreading bytes. Each stage sends its description both ways, so the
+        neighbour that would only send learns of the mismatch too."""
         mine = self._describe()
-        theirs = torch.empty_like(mine)
-        sends = [] if self.last else [(mine, self.pp.rank + 1)]
-        recvs = [] if self.first else [(theirs, self.pp.rank - 1)]
+        before, after = torch.empty_like(mine), torch.empty_like(mine)
+        sends, recvs = [], []
+        tag = ("handshake",)
+        if not self.first:
+            sends.append((mine, self.pp.rank - 1, tag))
+            recvs.append((before, self.pp.rank - 1, tag))
+        if not self.last:
+            sends.append((mine, self.pp.rank + 1, tag))
+            recvs.append((after, self.pp.rank + 1, tag))
         comm.exchange(sends, recvs, self.pp)
-        if not self.first and not torch.equal(mine, theirs):
-            raise ConfigError(
-                f"pipeline stage {self.pp.rank} expects activations {_explain(mine)} but stage "
-                f"{self.pp.rank - 1} sends {_explain(theirs)}: launch every rank with the same "
-                "model, batch and parallel flags")
+        if not self.first and not torch.equal(mine, before):
+            raise _mismatch(self.pp.rank - 1, before, self.pp.rank, mine)
+        if not self.last and not torch.equal(mine, after):
+            raise _mismatch(self.pp.rank, mine, self.pp.rank + 1, after)
 
     def _describe(self) -> torch.Tensor:
         dims = list(self.shape) + [0] * (6 - len(self.shape))
@@ -175,6 +183,15 @@ class _Run:
         self.inputs: dict[int, torch.Tensor] = {}  # received activations (grad enabled)
         self.outputs: dict[int, torch.Tensor] = {}  # stage outputs, or scaled losses
         self.output_grads: dict[int, torch.Tensor] = {}  # received gradients of outputs
+
+
+def _mismatch(sender: int, sent: torch.Tensor, receiver: int,
+              expected: torch.Tensor) -> ConfigError:
+    """The same message on both stages of a mismatched pair."""
+    return ConfigError(
+        f"pipeline stage {sender} sends activations {_explain(sent)} but stage {receiver} "
+        f"expects {_explain(expected)}: launch every rank with the same model, batch and "
+        "parallel flags")
 
 
 def _explain(desc: torch.Tensor) -> str:

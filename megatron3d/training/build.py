@@ -36,6 +36,7 @@ from megatron3d.training.data_setup import build_run_data
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Progress, Trainer
+from megatron3d.training.preflight import check_same_config
 from megatron3d.zero.factory import DataParallel, build_data_parallel
 
 logger = get_logger(__name__)
@@ -48,12 +49,13 @@ def logging_rank(state: ParallelState) -> int:
 def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                   started: float | None = None) -> Trainer:
     """``started``: ``time.monotonic()`` at process start, for --exit-duration-in-mins."""
+    check_same_config(cfg, state.world, dev)  # before anything could hang on a mismatch
     schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
     total_iters, train_samples = run_length(cfg, schedule)
     data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                              vocab_size=data.vocab_size))
-    rng = RNGStreams.create(cfg.training.seed, state.tp.rank, dev)
+    rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev)
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel)
@@ -63,7 +65,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     tied.broadcast_from_first_stage()
     data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp,
                                         cfg.parallel, functools.partial(_counted, state), dev)
-    engine.observer = data_parallel.observer
+    if data_parallel.observer is not None:
+        engine.observers.append(data_parallel.observer)
 
     def check_replicas() -> None:
         check_tp_replicas(data_parallel.values_of(params), state.tp)

@@ -7,9 +7,11 @@ evaluation boundaries. The data position, batch size and learning rate are pure 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -34,7 +36,7 @@ from megatron3d.training.evaluate import evaluate, format_eval_line
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.flops import FlopsCount, flops_per_iteration, throughput
 from megatron3d.training.grad_sync import GradSync
-from megatron3d.training.step import StepResult, train_step
+from megatron3d.training.step import StepResult, check_grad_norm, train_step
 from megatron3d.zero.factory import DataParallel
 
 logger = get_logger(__name__)
@@ -47,6 +49,26 @@ class Progress:
     iteration: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0
+
+
+class Heartbeat(Protocol):
+    """Told when a step finishes and when slower work runs (the hang watchdog listens)."""
+
+    def starting(self, iteration: int) -> None: ...
+    def beat(self, iteration: int) -> None: ...
+    def allowance(self, phase: str) -> contextlib.AbstractContextManager: ...
+
+
+class _NoHeartbeat:
+    def starting(self, iteration: int) -> None:
+        pass
+
+    def beat(self, iteration: int) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def allowance(self, phase: str) -> Iterator[None]:
+        yield
 
 
 @dataclass
@@ -82,6 +104,7 @@ class Trainer:
     save: Callable[[Progress], None] | None  # writes a checkpoint (None without --save)
     exit_watch: ExitWatch
     progress: Progress = field(default_factory=Progress)
+    heartbeat: Heartbeat = field(default_factory=_NoHeartbeat)
     on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
 
     def run(self) -> Progress:
@@ -89,11 +112,14 @@ class Trainer:
         self.engine.stage.train()
         metrics = m.IntervalMetrics(self.device)
         interval = _Interval()
+        self.heartbeat.starting(self.progress.iteration)
         with self.exit_watch:
             while self.progress.iteration < self.total_iters:
                 result, lr, gbs = self._step()
+                self.heartbeat.beat(self.progress.iteration)
                 metrics.add_step(result.loss, result.stats.grad_norm, result.stats.num_zeros,
-                                 result.stats.skipped, result.stats.loss_scale)
+                                 result.stats.skipped, result.stats.loss_scale,
+                                 nan_grad=result.stats.nan)
                 self._account(interval, gbs)
                 if self._after_step(result, metrics, interval, lr, gbs):
                     interval = _Interval()
@@ -101,8 +127,7 @@ class Trainer:
                     logger.info("stopping at iteration %d (signal, --exit-interval or "
                                 "--exit-duration-in-mins)", self.progress.iteration)
                     break
-        if self.save is not None:
-            self.save(self.progress)
+        self._save()
         self.writer.flush()
         return self.progress
 
@@ -119,14 +144,20 @@ class Trainer:
         if logged:
             self._log(metrics.collect(), interval, lr, gbs)
         if it % self.cfg.training.eval_interval == 0 and self.cfg.training.eval_iters > 0:
-            self._evaluate()
+            with self.heartbeat.allowance("evaluation"):
+                self._evaluate()
         replicas_every = self.cfg.parallel.check_replicas_interval
         if replicas_every and it % replicas_every == 0:
             self.check_replicas()
         save_every = self.cfg.checkpoint.save_interval
-        if self.save is not None and save_every and it % save_every == 0:
-            self.save(self.progress)
+        if save_every and it % save_every == 0:
+            self._save()
         return logged
+
+    def _save(self) -> None:
+        if self.save is not None:
+            with self.heartbeat.allowance("checkpoint save"):
+                self.save(self.progress)
 
     def _step(self) -> tuple[StepResult, float, int]:
         consumed = self.progress.consumed_samples
@@ -135,6 +166,8 @@ class Trainer:
         result = train_step(self.engine, self.optimizer, self.train_batches(consumed, gbs), lr,
                             self.grad_sync, self.dp)
         self.progress.iteration += 1
+        if self.cfg.resilience.check_for_nan_in_loss_and_grad:
+            check_grad_norm(result.stats, self.progress.iteration)
         self.progress.consumed_samples += gbs
         self.progress.consumed_tokens += gbs * self.cfg.model.seq_length
         return result, lr, gbs

@@ -3,10 +3,12 @@
 ``add_step`` only issues device kernels (no ``.item()``), so the training loop never waits
 for the device between log lines; ``collect`` does the interval's single host transfer.
 
-Counting rules: a NaN iteration is one whose loss is not finite (counted whether or not the
-step was also skipped); a skipped iteration is one the optimizer did not apply (fp16
-overflow). ``lm loss`` is the mean over the interval's steps that were neither, which is
-Megatron's average over advanced iterations with non-finite losses kept out of the sum.
+Counting rules: a skipped iteration is one the optimizer did not apply because the global
+gradient norm was NaN or Inf (in fp16, a loss-scale overflow). A NaN iteration is one whose
+loss is not finite, or a bf16/fp32 step skipped for its grad norm (once, even when both
+hold); an fp16 overflow is routine and counts as skipped only. ``lm loss`` is the mean over
+the interval's steps that were neither, which is Megatron's average over advanced iterations
+with non-finite losses kept out of the sum.
 Grad norm, num zeros and loss scale are the last step's values, as Megatron prints them.
 """
 
@@ -45,15 +47,17 @@ class IntervalMetrics:
 
     def add_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None,
                  num_zeros: torch.Tensor | None, skipped: torch.Tensor,
-                 loss_scale: float) -> None:
-        """Record one optimizer step: 0-dim device tensors, and the host-side loss scale."""
+                 loss_scale: float, *, nan_grad: torch.Tensor) -> None:
+        """Record one optimizer step: 0-dim device tensors, and the host-side loss scale.
+        ``nan_grad`` is ``StepStats.nan``: 1.0 if skipped for a non-finite grad norm."""
         loss = self._f32(loss)
         finite = torch.isfinite(loss)
         skip = self._f32(skipped) != 0
+        nan = ~finite | (self._f32(nan_grad) != 0)
         valid = finite & ~skip
         sums = torch.stack([
             torch.where(valid, loss, torch.zeros_like(loss)),
-            valid.float(), skip.float(), (~finite).float(),
+            valid.float(), skip.float(), nan.float(),
         ])
         self._acc[_LOSS_SUM:_NAN + 1].add_(sums)
         self._loss_scale = loss_scale

@@ -1,5 +1,5 @@
 """One training step: the schedule's forward and backward passes, gradient reductions, then
-the optimizer."""
+the optimizer; and the --check-for-nan-in-loss-and-grad stop after it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron3d.errors import TrainingError
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer, StepStats
 from megatron3d.pipeline.engine import Batch, PipelineEngine
@@ -28,3 +29,16 @@ def train_step(engine: PipelineEngine, optimizer: MixedPrecisionOptimizer,
                                    before_last_backward=grad_sync.before_last_backward)
     grad_sync()
     return StepResult(loss=average_over(loss, dp), stats=optimizer.step(lr))
+
+
+def check_grad_norm(stats: StepStats, iteration: int) -> None:
+    """Raise if the step was skipped for a NaN/Inf global grad norm (bf16/fp32; fp16
+    overflows are the loss scaler's to handle). The flag is agreed over all ranks, so every
+    rank raises; a non-finite loss makes the gradients non-finite, so this covers it. Costs a
+    host sync per step, which is why it is opt-in."""
+    if float(stats.nan) == 0.0:
+        return
+    raise TrainingError(
+        f"global gradient norm is {float(stats.grad_norm)} at iteration {iteration}: training "
+        "stopped by --check-for-nan-in-loss-and-grad; resume from the last checkpoint with a "
+        "lower --lr, or drop the flag to skip such steps")

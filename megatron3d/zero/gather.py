@@ -44,11 +44,11 @@ class ParamGatherer:
                                                 strict=True)):
             out, mine = params[bucket.start:bucket.end], params[piece.start:piece.end]
             if self.overlap:
-                work = comm.start_all_gather_into(out, mine, self.dp)
+                work = comm.start_all_gather_into(out, mine, self.dp, ("bucket", b))
                 if work is not None:
                     self.pending[b] = work
             else:
-                comm.all_gather_into(out, mine, self.dp)
+                comm.all_gather_into(out, mine, self.dp, ("bucket", b))
 
     def _wait(self, buckets: list[int]) -> None:
         for b in buckets:

@@ -70,8 +70,9 @@ class GradReducer:
             piece = self.shard.pieces[index]
             wire_out = self._wire_out if self._wire is not None else self.shard.grads
             out = wire_out[piece.local:piece.local + piece.end - piece.start]
-        work = (comm.start_all_reduce(source, self.dp) if out is None
-                else comm.start_reduce_scatter(out, source, self.dp))
+        tag = ("bucket", index)
+        work = (comm.start_all_reduce(source, self.dp, tag) if out is None
+                else comm.start_reduce_scatter(out, source, self.dp, tag))
         if work is not None:
             self._work.append(work)
         self._launched.add(index)

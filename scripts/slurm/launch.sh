@@ -89,6 +89,13 @@ export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # A failed or timed-out NCCL collective aborts the process instead of hanging; torchrun exits
 # non-zero and srun --kill-on-bad-exit ends the job rather than burning it to the time limit.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# PyTorch's NCCL flight recorder: each rank keeps its last collectives and, when a collective
+# times out (--distributed-timeout-minutes), writes them beside megatron3d's own hang dumps
+# (CHECKPOINT_DIR/hang, read by tools/hang_report.py); torch's `torchfrtrace -p nccl_trace_rank_
+# CHECKPOINT_DIR/hang` analyses those. Only ProcessGroupNCCL reads these, so CPU runs ignore them.
+export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
+export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$CHECKPOINT_DIR/hang/nccl_trace_rank_}"
 # NCCL prints warnings only; set INFO to see the chosen network, rings and trees.
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # Log lines reach the job's log as they are printed, and fatal signals print a Python stack.
@@ -147,7 +154,7 @@ if [ -f "$VENV/bin/activate" ]; then
   source "$VENV/bin/activate"
 fi
 command -v torchrun >/dev/null || die "torchrun not found: activate an environment with torch"
-mkdir -p "$CHECKPOINT_DIR"
+mkdir -p "$CHECKPOINT_DIR/hang"
 
 echo "launch.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s)" \
   "x $GPUS_PER_NODE workers, rendezvous $MASTER_ADDR:$MASTER_PORT, checkpoints $CHECKPOINT_DIR"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import pretrain_gpt
+from megatron3d.checkpoint import io
 from tests.helpers.tiny import train_argv
 
 
@@ -94,6 +95,18 @@ def test_keep_last_n_prunes_old_checkpoints(tmp_path):
     assert pretrain_gpt.main(train_argv("gpt2", 5, "--save", str(root), "--save-interval", "1",
                                         "--keep-last-n", "2")) == 0
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "iter_0000005", "latest"]
+
+
+def test_prune_orders_by_iteration_and_keeps_latest(tmp_path):
+    """Past iteration 9999999 names no longer sort; directories past ``latest`` (a resumed
+    run's abandoned future) and unfinished saves are not pruning's to remove."""
+    for iteration in (5, 9_999_999, 10_000_000, 10_000_001):
+        io.iteration_dir(tmp_path, iteration).mkdir()
+    (tmp_path / "iter_0000007.tmp").mkdir()
+    (tmp_path / "latest").write_text("10000000\n")
+    io.prune(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000007.tmp", "iter_10000000", "iter_10000001", "latest"]
 
 
 def test_saving_removes_what_killed_saves_left(checkpoint, tmp_path):

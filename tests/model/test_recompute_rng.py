@@ -38,7 +38,7 @@ class Run:
 def _run(flavour: str, recompute: bool, **overrides: float) -> Run:
     """Build, forward and backward two micro-batches; streams created afresh from SEED."""
     cfg = model_config(flavour, checkpoint_activations=recompute, **{**DROPOUT, **overrides})
-    rng = RNGStreams.create(SEED, tp_rank=0, dev=CPU)  # also reseeds the default stream
+    rng = RNGStreams.create(SEED, tp_rank=0, pp_rank=0, dev=CPU)  # also reseeds the default stream
     ctx = LayerContext(cfg, AxisGroup.single(), SEED, torch.float32, CPU, rng)
     model = build_gpt(ctx)
     model.train()

@@ -32,7 +32,7 @@ def test_seeded_normal_depends_only_on_seed_and_name() -> None:
 def test_default_stream_shared_model_parallel_stream_per_tp_rank() -> None:
     draws = []
     for tp_rank in (0, 1):
-        streams = RNGStreams.create(seed=5, tp_rank=tp_rank, dev=CPU)
+        streams = RNGStreams.create(seed=5, tp_rank=tp_rank, pp_rank=0, dev=CPU)
         default = torch.rand(4)
         with streams.fork():
             forked = torch.rand(4)
@@ -41,17 +41,31 @@ def test_default_stream_shared_model_parallel_stream_per_tp_rank() -> None:
     assert torch.equal(d0, d1) and torch.equal(after0, after1)  # default: same on all TP ranks
     assert not torch.equal(f0, f1)  # model-parallel: distinct per TP rank
 
-    streams = RNGStreams.create(seed=5, tp_rank=0, dev=CPU)
+    streams = RNGStreams.create(seed=5, tp_rank=0, pp_rank=0, dev=CPU)
     expected_default = torch.cat([torch.rand(4), torch.rand(4)])
-    streams = RNGStreams.create(seed=5, tp_rank=0, dev=CPU)
+    streams = RNGStreams.create(seed=5, tp_rank=0, pp_rank=0, dev=CPU)
     first = torch.rand(4)
     with streams.fork(MODEL_PARALLEL):
         torch.rand(100)
     assert torch.equal(torch.cat([first, torch.rand(4)]), expected_default)  # untouched
 
 
+def test_pipeline_stages_get_their_own_streams() -> None:
+    """Megatron offsets both seeds by 100 per stage: stages must not drop out alike."""
+    draws = []
+    for pp_rank in (0, 1):
+        streams = RNGStreams.create(seed=5, tp_rank=0, pp_rank=pp_rank, dev=CPU)
+        with streams.fork():
+            forked = torch.rand(4)
+        draws.append((torch.rand(4), forked))
+    (d0, f0), (d1, f1) = draws
+    assert not torch.equal(d0, d1) and not torch.equal(f0, f1)
+    torch.manual_seed(5 + 100)  # stage 1's default seed, as in Megatron
+    assert torch.equal(torch.rand(4), d1)
+
+
 def test_state_round_trip_replays_both_streams() -> None:
-    streams = RNGStreams.create(seed=11, tp_rank=1, dev=CPU)
+    streams = RNGStreams.create(seed=11, tp_rank=1, pp_rank=0, dev=CPU)
     torch.rand(3)
     with streams.fork():
         torch.rand(3)

@@ -1,5 +1,5 @@
 """The optimizer: equal to plain torch AdamW + clipping in fp32, fp32 accumulation under bf16,
-and fp16 overflow skipping."""
+fp16 overflow skipping, and skipping a non-finite step in bf16 and fp32."""
 
 from __future__ import annotations
 
@@ -101,13 +101,37 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     (model(torch.ones(2, 4, dtype=torch.float16)) * opt.loss_scale).backward()
     opt.shard.grads[3] = float("inf")  # an overflow in one gradient
     stats = opt.step(lr=0.01)
-    assert stats.skipped.item() == 1.0
+    assert stats.skipped.item() == 1.0 and stats.nan.item() == 0.0  # routine, not a NaN step
     assert torch.equal(opt.shard.flat_params, before) and torch.equal(opt.master, master_before)
     assert opt.loss_scale == 512.0
     opt.zero_grad()
     (model(torch.ones(2, 4, dtype=torch.float16)) * opt.loss_scale).backward()
     stats = opt.step(lr=0.01)
     assert stats.skipped.item() == 0.0 and not torch.equal(opt.shard.flat_params, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_grad_norm_skips_the_step_bitwise(dtype, bad):
+    model = Tiny(dtype)
+    opt = _optimizer(model, bf16=dtype == torch.bfloat16)
+    x = torch.ones(2, 4, dtype=dtype)
+    model(x).backward()
+    opt.step(lr=0.01)
+    before = {"params": opt.shard.flat_params.clone(), **opt.local_state()}
+    opt.zero_grad()
+    model(x).backward()
+    opt.shard.grads[3] = bad
+    stats = opt.step(lr=0.01)
+    assert stats.skipped.item() == stats.nan.item() == 1.0
+    after = {"params": opt.shard.flat_params, **opt.local_state()}
+    for name, value in before.items():  # weights, fp32 master, moments, Adam's step
+        assert torch.equal(after[name], value), name
+    opt.zero_grad()
+    model(x).backward()
+    stats = opt.step(lr=0.01)
+    assert stats.skipped.item() == 0.0 and opt.local_state()["step"].item() == 2.0
+    assert not torch.equal(opt.shard.flat_params, before["params"])
 
 
 def test_fp16_unscales_gradients_before_the_update():

@@ -6,53 +6,28 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
 
+from megatron3d.mpu import traffic
+from megatron3d.training.flight_recorder import FlightRecorder
 from tests.helpers.dist import run_distributed
+from tests.helpers.host_sync import no_host_sync
 from tests.helpers.runs import build
 from tests.helpers.tiny import train_argv
 
-SYNCS = ("item", "tolist", "cpu", "__bool__")
 
-
-@contextlib.contextmanager
-def _forbidden(allowed: set[int]):
-    """Patch the transfers to raise, except on ``allowed`` tensors (the non-fused AdamW's
-    step counters: host-side scalars by torch's design, on CUDA too)."""
-    real = {name: getattr(torch.Tensor, name) for name in SYNCS}
-    real_sync = torch.cuda.synchronize
-
-    def guard(name: str):
-        def patched(self, *args, **kwargs):
-            if id(self) in allowed:
-                return real[name](self, *args, **kwargs)
-            raise AssertionError(f"host sync via Tensor.{name} during a training step")
-        return patched
-
-    def no_synchronize(*_args, **_kwargs):
-        raise AssertionError("torch.cuda.synchronize during a training step")
-
-    for name in SYNCS:
-        setattr(torch.Tensor, name, guard(name))
-    torch.cuda.synchronize = no_synchronize
-    try:
-        yield
-    finally:
-        for name, fn in real.items():
-            setattr(torch.Tensor, name, fn)
-        torch.cuda.synchronize = real_sync
-
-
-def _steps_without_sync(*flags: str) -> int:
+def _steps_without_sync(*flags: str, recorded: bool = False) -> int:
     trainer, _ = build(train_argv("gpt2", 4, "--log-interval", "100", *flags))
     stack = contextlib.ExitStack()
     done = []
+    if recorded:  # as pretrain_gpt.py runs: flight recorder attached, watchdog heartbeats
+        recorder = FlightRecorder(64)
+        stack.enter_context(traffic.observing(recorder))
+        trainer.engine.observers.append(recorder)
 
     def on_step(iteration: int, _result) -> None:
         done.append(iteration)
         if iteration == 1:  # steps 2..4 run under the patch
-            steps = {id(s["step"]) for s in trainer.optimizer.inner.state.values()}
-            stack.enter_context(_forbidden(steps))
+            stack.enter_context(no_host_sync())
 
     trainer.on_step = on_step
     with stack:
@@ -65,3 +40,8 @@ def _steps_without_sync(*flags: str) -> int:
 def test_training_steps_never_sync_with_the_host(zero, precision):
     flags = ("--zero-stage", str(zero), *precision)
     assert run_distributed(_steps_without_sync, 2, *flags) == [4, 4]
+
+
+def test_the_flight_recorder_never_syncs_with_the_host():
+    flags = ("--zero-stage", "3", "--pipeline-model-parallel-size", "2")
+    assert run_distributed(_steps_without_sync, 4, *flags, recorded=True) == [4] * 4

@@ -24,8 +24,9 @@ def t(value) -> torch.Tensor:
 
 
 def add(metrics: IntervalMetrics, loss: float, skipped: bool = False, grad_norm: float = 1.0,
-        num_zeros: float = 0.0, scale: float = 1.0) -> None:
-    metrics.add_step(t(loss), t(grad_norm), t(num_zeros), t(skipped), t(scale))
+        num_zeros: float = 0.0, scale: float = 1.0, nan_grad: bool = False) -> None:
+    metrics.add_step(t(loss), t(grad_norm), t(num_zeros), t(skipped), t(scale),
+                     nan_grad=t(nan_grad))
 
 
 def test_mean_over_clean_steps_and_last_values():
@@ -52,6 +53,18 @@ def test_skipped_and_nan_steps_stay_out_of_the_mean():
     assert result[STEPS] == 5.0
 
 
+def test_step_skipped_for_a_non_finite_grad_norm_is_skipped_and_nan_once():
+    """bf16/fp32: a non-finite grad norm skips the step and counts as a NaN iteration, once
+    even if the loss is NaN too; an fp16 overflow (skipped, finite loss) is not NaN."""
+    metrics = IntervalMetrics(CPU)
+    add(metrics, 2.0)
+    add(metrics, 5.0, skipped=True, nan_grad=True)
+    add(metrics, float("nan"), skipped=True, nan_grad=True)
+    add(metrics, 7.0, skipped=True)
+    result = metrics.collect()
+    assert (result[SKIPPED], result[NAN], result[LM_LOSS]) == (3.0, 2.0, 2.0)
+
+
 def test_collect_resets():
     metrics = IntervalMetrics(CPU)
     add(metrics, 5.0, skipped=True)
@@ -73,7 +86,7 @@ def test_no_loss_when_every_step_was_skipped():
 def test_grad_norm_absent_when_last_step_has_none():
     metrics = IntervalMetrics(CPU)
     add(metrics, 1.0, grad_norm=2.0)
-    metrics.add_step(t(1.0), None, None, t(False), t(1.0))
+    metrics.add_step(t(1.0), None, None, t(False), t(1.0), nan_grad=t(False))
     result = metrics.collect()
     assert GRAD_NORM not in result and NUM_ZEROS not in result
 
@@ -81,7 +94,8 @@ def test_grad_norm_absent_when_last_step_has_none():
 def test_accepts_low_precision_and_integer_inputs():
     metrics = IntervalMetrics(CPU)
     metrics.add_step(torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor([1.5]),
-                     torch.tensor(3), torch.tensor(0, dtype=torch.int32), torch.tensor(1.0))
+                     torch.tensor(3), torch.tensor(0, dtype=torch.int32), torch.tensor(1.0),
+                     nan_grad=torch.tensor(False))
     result = metrics.collect()
     assert result[LM_LOSS] == 2.5
     assert result[GRAD_NORM] == 1.5

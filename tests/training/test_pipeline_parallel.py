@@ -7,9 +7,11 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 
+from megatron3d.model.transformer import TransformerLayer
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import assert_same_run, merge_ranks, train, train_single
+from tests.helpers.runs import assert_same_run, build, merge_ranks, train, train_single
 from tests.helpers.tiny import train_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
 
@@ -90,3 +92,23 @@ def test_tied_embedding_copies_stay_bitwise_identical():
 def test_gpipe_schedule(schedule):
     _check(2, [("gpt2", 2, ("--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                             schedule, "--global-batch-size", "8"))])
+
+
+def _dropout_masks() -> tuple[torch.Tensor, torch.Tensor]:
+    """This stage's next dropout mask on the default stream and on the TP stream, as the
+    trainer's build leaves them."""
+    trainer, _ = build(_argv("gpt2", 2, "--pipeline-model-parallel-size", "2",
+                             "--pp-partition-method", "uniform", "--hidden-dropout", "0.1"))
+    rng = next(m.rng for m in trainer.engine.stage.modules() if isinstance(m, TransformerLayer))
+    ones = torch.ones(256)
+    with rng.fork():
+        tp_stream = F.dropout(ones, 0.5)
+    return F.dropout(ones, 0.5), tp_stream
+
+
+def test_pipeline_stages_draw_their_own_dropout_masks():
+    """Seeds are offset per stage (as in Megatron): with one seed, every stage would drop the
+    same positions in the same order."""
+    (default0, tp0), (default1, tp1) = run_distributed(_dropout_masks, 2)
+    assert not torch.equal(default0, default1)
+    assert not torch.equal(tp0, tp1)

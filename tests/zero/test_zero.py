@@ -57,7 +57,7 @@ def _overlapped_gather() -> dict:
     params = trainer.data_parallel.buffers.params
     inputs_in_place = []
 
-    def on_collective(kind: str, tensor, axis) -> None:
+    def on_collective(kind: str, tensor, axis, *_) -> None:
         if kind == "all_gather" and axis.group is state.dp.group:
             start = tensor.data_ptr() - params.data_ptr()
             inputs_in_place.append(0 <= start < params.nbytes)

@@ -117,7 +117,7 @@ def _gather_and_compute_order(depth: int) -> tuple[list[str], tuple]:
     for j, layer in enumerate(trainer.engine.stage.layers):  # after ZeRO-3's own hooks
         layer.register_forward_pre_hook(lambda _m, _x, j=j: events.append(f"compute {j}"))
 
-    def on_collective(kind: str, _tensor, axis) -> None:
+    def on_collective(kind: str, _tensor, axis, *_) -> None:
         if kind == "all_gather" and axis.group is state.dp.group:
             events.append("gather")
 

@@ -147,9 +147,9 @@ class Zero3:
         if self.allreduce_fetch and self.dp.size > 1:
             full.zero_()
             full[self.dp.rank * n:(self.dp.rank + 1) * n].copy_(mine)
-            self._gathers[unit] = comm.start_all_reduce(full, self.dp)
+            self._gathers[unit] = comm.start_all_reduce(full, self.dp, ("unit", unit))
         else:
-            self._gathers[unit] = comm.start_all_gather_into(full, mine, self.dp)
+            self._gathers[unit] = comm.start_all_gather_into(full, mine, self.dp, ("unit", unit))
 
     def _wait(self, unit: int) -> None:
         work = self._gathers.pop(unit)

@@ -40,7 +40,8 @@ class Slot:
             self.wire[:numel].copy_(grads)
             grads = self.wire[:numel]
         out = self.reduced[:numel // dp.size]
-        self._pending = (comm.start_reduce_scatter(out, grads, dp), out, into)
+        self._pending = (comm.start_reduce_scatter(out, grads, dp, ("unit", self.occupant)),
+                         out, into)
 
     def drain(self) -> None:
         """Finish the pending reduction (before the gradient buffer is reused, and at the end

@@ -1,0 +1,86 @@
+"""The hang dump file: what one rank knew when it stopped (or was asked), for people and tools.
+
+``DUMP_DIR/rank-XXXXX.txt`` has a readable part (why, where in the layout, the recent
+operations, every thread's Python stack from faulthandler, which also works while the main
+thread is blocked inside a collective) and, last, one JSON line that ``hang_report`` reads.
+Dumps are written by the watchdog thread, so nothing here may issue a collective.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+DATA_MARKER = "== data =="
+FORMAT = 1
+
+
+def dump_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank:05d}.txt"
+
+
+def write_dump(path: Path, header: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """Write atomically (tmp + rename) so a report never reads half a dump."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": FORMAT, **header, "written": time.time(), "host": socket.gethostname(),
+            "pid": os.getpid(), "main_stack": _main_stack(), "ops": ops}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        c = header["coords"]
+        f.write(f"megatron3d hang dump: rank {header['rank']} of {header['world_size']} "
+                f"(tp {c['tp']}, pp {c['pp']}, dp {c['dp']}) on {data['host']} pid "
+                f"{data['pid']}\nreason: {header['reason']}\n"
+                f"last finished iteration: {header['iteration']}, phase: {header['phase']}\n")
+        f.write(f"== last {len(ops)} operations, oldest first ==\n")
+        f.writelines(format_op(op) + "\n" for op in ops)
+        f.write("== python stacks ==\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.write(f"{DATA_MARKER}\n{json.dumps(data)}\n")
+    tmp.replace(path)
+
+
+def read_dump(path: Path) -> dict[str, Any]:
+    """The JSON part of a dump; ValueError if the file is not a complete dump."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    try:
+        data = json.loads(lines[lines.index(DATA_MARKER) + 1])
+    except (ValueError, IndexError) as err:
+        raise ValueError(f"{path} is not a complete megatron3d hang dump") from err
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path} has dump format {data.get('format')}, expected {FORMAT}")
+    return data
+
+
+def format_op(op: dict[str, Any]) -> str:
+    """One operation as a line: seq, kind, group and its sequence number, peer, tensor,
+    and what it served (iteration, program step, instruction, tag)."""
+    where = f"{op['group']}#{op['group_seq']}"
+    if op["peer"] is not None:
+        where += f" {'to' if op['kind'] == 'send' else 'from'} rank {op['peer']}"
+    tag = "" if op["tag"] is None else " " + "".join(str(t) for t in op["tag"])
+    served = ("outside the pipeline program" if op["step"] is None else
+              f"program {op['program']} step {op['step']} {op['instruction']}")
+    return (f"  [{op['seq']}] {op['kind']} {where} ranks {_ranks(op['ranks'])} "
+            f"{op['shape']} {op['dtype']} | iteration {op['iteration']}, {served}{tag}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return "[" + ",".join(map(str, ranks)) + "]" if len(ranks) <= 8 else f"[{len(ranks)} ranks]"
+
+
+def _main_stack() -> list[str]:
+    """The main thread's innermost frames, 'file:line in function' (for the report)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    return [f"{Path(f.filename).name}:{f.lineno} in {f.name}"
+            for f in traceback.extract_stack(frame)][-8:]
