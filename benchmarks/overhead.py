@@ -100,23 +100,28 @@ def _with_and_without_recorder(a: argparse.Namespace) -> dict[str, float]:
                    trainer.dp)
         return time.perf_counter() - start
 
+    def recorded_steps(tmp: str, block: int) -> list[float]:
+        in_tmp = dataclasses.replace(cfg.resilience, hang_dump_dir=tmp)
+        watchdog = Watchdog.for_run(dataclasses.replace(cfg, resilience=in_tmp), state,
+                                    recorder).start()
+        trainer.engine.observers.append(recorder)
+        with traffic.observing(recorder):
+            result = []
+            for i in range(2):
+                result.append(step())
+                watchdog.beat(block * 2 + i)
+        trainer.engine.observers.remove(recorder)
+        watchdog.stop()
+        return result
+
     with tempfile.TemporaryDirectory() as tmp:
-        for block in range(a.warmup + a.blocks):
-            times_off = [step() for _ in range(2)]
-            in_tmp = dataclasses.replace(cfg.resilience, hang_dump_dir=tmp)
-            watchdog = Watchdog.for_run(dataclasses.replace(cfg, resilience=in_tmp), state,
-                                        recorder).start()
-            trainer.engine.observers.append(recorder)
-            with traffic.observing(recorder):
-                times_on = []
-                for i in range(2):
-                    times_on.append(step())
-                    watchdog.beat(block * 2 + i)
-            trainer.engine.observers.remove(recorder)
-            watchdog.stop()
+        for block in range(a.warmup + a.blocks):  # off-on, on-off, ...: order effects cancel
+            order = ("off", "on") if block % 2 == 0 else ("on", "off")
+            measured = {mode: recorded_steps(tmp, block) if mode == "on" else
+                        [step() for _ in range(2)] for mode in order}
             if block >= a.warmup:
-                times["off"] += times_off
-                times["on"] += times_on
+                for mode, values in measured.items():
+                    times[mode] += values
     ops_per_step = recorder.ops[-1].seq / (2 * (a.warmup + a.blocks))
     probe = FlightRecorder(1024)
     x = torch.zeros(16, 4, 8)

@@ -146,18 +146,19 @@ def _pair(a: Analysis, key: tuple, sent: dict[int, Dump], expected: dict[int, Du
                               f"{_describe(s)}, rank {dst} expects {_describe(r)}")
             break
     last_sent, last_expected = max(sent, default=-1), max(expected, default=-1)
+    if last_expected == last_sent:
+        return
     if last_expected > last_sent:
-        a.ahead.add(dst)
-        a.behind.setdefault(src, f"{label} #{last_expected}")
-        a.findings.append(f"{label}: rank {dst} waits for #{last_expected} "
-                          f"({_describe(expected[last_expected])}); rank {src} sent up to "
-                          f"#{last_sent}")
-    elif last_sent > last_expected:
-        a.ahead.add(src)
-        a.behind.setdefault(dst, f"{label} #{last_sent}")
-        a.findings.append(f"{label}: rank {src} sent #{last_sent} "
-                          f"({_describe(sent[last_sent])}); rank {dst} has not posted "
-                          f"its receive (last #{last_expected})")
+        waiter, lagger, n = dst, src, last_expected
+        what = (f"rank {dst} waits for #{n} ({_describe(expected[n])}); rank {src} sent up to "
+                f"#{last_sent}")
+    else:
+        waiter, lagger, n = src, dst, last_sent
+        what = (f"rank {src} sent #{n} ({_describe(sent[n])}); rank {dst} has not posted its "
+                f"receive (last #{last_expected})")
+    a.ahead.add(waiter)
+    a.behind.setdefault(lagger, f"{label} #{n}")
+    a.findings.append(f"{label}: {what}")
 
 
 def _signature(op: Dump) -> tuple:

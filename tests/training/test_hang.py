@@ -67,23 +67,24 @@ def _hang_start(tmp_path: Path) -> float:
     return time.monotonic() - (time.time() - newest)
 
 
-def test_skipped_send_is_named(tmp_path):
-    job = _run(tmp_path, "skip-send", rank=0)
+def _hung(tmp_path: Path, fault: str, rank: int) -> tuple[str, list[str]]:
+    """Inject ``fault`` on ``rank``; every rank must dump and exit; -> (report, culprits)."""
+    job = _run(tmp_path, fault, rank=rank)
     assert job.wait(240) == HANG_EXIT_CODE
     _check_exits(job, tmp_path, [0, 1, 2, 3], _hang_start(tmp_path))
     report = _report(tmp_path / "hang")
-    culprits = _culprits(report)
+    return report, _culprits(report)
+
+
+def test_skipped_send_is_named(tmp_path):
+    report, culprits = _hung(tmp_path, "skip-send", 0)
     assert culprits[0].startswith(f"rank 0 {COORDS[0]}: skipped or reordered a send"), report
     assert len(culprits) == 1, report
     assert "mismatched: rank 0 sends F1" in report and "rank 2 expects F0" in report, report
 
 
 def test_sleeping_rank_is_named(tmp_path):
-    job = _run(tmp_path, "sleep", rank=3)
-    assert job.wait(240) == HANG_EXIT_CODE
-    _check_exits(job, tmp_path, [0, 1, 2, 3], _hang_start(tmp_path))
-    report = _report(tmp_path / "hang")
-    culprits = _culprits(report)
+    report, culprits = _hung(tmp_path, "sleep", 3)
     assert len(culprits) == 1 and culprits[0].startswith(f"rank 3 {COORDS[3]}: behind its "
                                                          "peers"), report
     assert culprits[0].endswith("while waiting for nobody: it stopped issuing operations "

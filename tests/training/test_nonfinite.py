@@ -18,6 +18,7 @@ import torch
 from megatron3d.errors import CheckpointError, TrainingError
 from megatron3d.training.loop import Progress
 from tests.helpers.dist import run_distributed
+from tests.helpers.faults import CorruptAfterReduce
 from tests.helpers.host_sync import no_host_sync
 from tests.helpers.runs import build
 from tests.helpers.tiny import train_argv
@@ -32,24 +33,6 @@ CASES = {
     "fp32-tp2-dp2-zero1": ((), ("--tensor-model-parallel-size", "2", "--zero-stage", "1"), 3),
 }
 COUNTS = re.compile(r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+)")
-
-
-class _PoisonOneRank:
-    """Wraps the trainer's GradSync: after the reduction of step ``at``, one gradient this
-    rank counts in the norm becomes NaN (a fault only this rank sees)."""
-
-    def __init__(self, inner, shard, at: int, on_rank: bool) -> None:
-        self.inner, self.shard, self.at, self.on_rank = inner, shard, at, on_rank
-        self.calls = 0
-
-    def before_last_backward(self) -> None:
-        self.inner.before_last_backward()
-
-    def __call__(self) -> None:
-        self.inner()
-        self.calls += 1
-        if self.calls == self.at and self.on_rank:
-            self.shard.counted_grads()[0][0] = float("nan")
 
 
 class _Lines(logging.Handler):
@@ -72,8 +55,9 @@ def _poisoned_run(precision: tuple[str, ...], layout: tuple[str, ...], bad_rank:
                   *flags: str) -> dict:
     trainer, state = build(train_argv("gpt2", ITERS, *precision, *layout, "--log-interval",
                                       str(ITERS), *flags))
-    trainer.grad_sync = _PoisonOneRank(trainer.grad_sync, trainer.optimizer.shard, BAD_STEP,
-                                       state.world_rank == bad_rank)
+    shard = trainer.optimizer.shard
+    trainer.grad_sync = CorruptAfterReduce(trainer.grad_sync, lambda: shard.counted_grads()[0],
+                                           BAD_STEP, state.world_rank == bad_rank, float("nan"))
     lines = _Lines()
     logging.getLogger("megatron3d.training.loop").addHandler(lines)
     logging.getLogger("megatron3d.training.loop").setLevel(logging.INFO)

@@ -9,6 +9,7 @@ import torch
 from megatron3d.mpu.traffic import CommCounter, observing
 from megatron3d.training import memory
 from tests.helpers.dist import run_distributed
+from tests.helpers.faults import CorruptAfterReduce
 from tests.helpers.runs import build, train, train_single
 from tests.helpers.tiny import train_argv
 
@@ -96,29 +97,12 @@ def test_overlapped_param_gather_waits_at_first_use_without_staging():
             assert pending == {b for b, first in first_use.items() if first > j}, j
 
 
-class _InjectOverflow:
-    """Wraps the trainer's GradSync: after the reduction of step ``at``, one rank's gradient
-    becomes inf (an overflow only that rank sees)."""
-
-    def __init__(self, inner, optimizer, at: int, on_rank: bool) -> None:
-        self.inner, self.optimizer, self.at, self.on_rank = inner, optimizer, at, on_rank
-        self.calls = 0
-
-    def before_last_backward(self) -> None:
-        self.inner.before_last_backward()
-
-    def __call__(self) -> None:
-        self.inner()
-        self.calls += 1
-        if self.calls == self.at and self.on_rank:
-            self.optimizer.shard.grads[0] = float("inf")
-
-
 def _fp16_overflow(zero: int) -> dict:
     trainer, state = build(train_argv("gpt2", 5, "--fp16", "--initial-loss-scale", "1024",
                                          "--hysteresis", "1", "--zero-stage", str(zero)))
-    trainer.grad_sync = _InjectOverflow(trainer.grad_sync, trainer.optimizer, at=3,
-                                        on_rank=state.dp.rank == 1)
+    grads = trainer.optimizer.shard.grads
+    trainer.grad_sync = CorruptAfterReduce(trainer.grad_sync, lambda: grads, at=3,
+                                           on_rank=state.dp.rank == 1, value=float("inf"))
     seen = []
     trainer.on_step = lambda it, r: seen.append((r.stats.skipped.item(), r.stats.loss_scale,
                                                  trainer.optimizer.loss_scale))
