@@ -17,7 +17,7 @@ from megatron3d import device as devices
 from megatron3d.arguments import format_config, parse_args
 from megatron3d.checkpoint import manager as checkpoint
 from megatron3d.config import TrainConfig
-from megatron3d.errors import Megatron3dError
+from megatron3d.errors import Megatron3dError, TrainingError
 from megatron3d.log import get_logger, setup_logging
 from megatron3d.mpu import traffic
 from megatron3d.mpu.state import ParallelState
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: float,
            watchdog: Watchdog) -> int:
-    """Build and run; bad input exits 2, a run that went wrong (non-finite gradients, an
-    unsavable checkpoint) exits 1 with one line, anything unexpected leaves a hang dump."""
+    """Build and run; bad input exits 2, a run that went wrong (non-finite gradients or
+    weights) exits 1, each with one line; anything unexpected leaves a hang dump."""
     try:
         setup_logging(state.world_rank, log_rank=state.world_size - 1)
         logger.info(format_config(cfg))
@@ -81,9 +81,12 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
     trainer.heartbeat = watchdog
     try:
         trainer.run()
-    except Megatron3dError as err:
+    except TrainingError as err:  # the run went wrong: non-finite gradients or weights
         sys.stderr.write(f"error: {err}\n")
         return 1
+    except Megatron3dError as err:  # bad input met during training (data, a --save path)
+        sys.stderr.write(f"error: {err}\n")
+        return 2
     except Exception as exc:  # e.g. a peer died inside a collective: say where this rank was
         if not watchdog.fired:
             first = (str(exc).splitlines() or [""])[0][:160]

@@ -1,7 +1,8 @@
 """User-facing errors: each carries one line saying what is wrong, the value, and the fix.
 
-Entry points catch these, print the message and exit with code 2, so a user never sees a
-traceback for bad input or a run that went wrong. Internal invariants use ``assert`` instead.
+Entry points catch these, print the message and exit with code 2 (1 for ``TrainingError``),
+so a user never sees a traceback for bad input or a run that went wrong. Internal invariants
+use ``assert`` instead.
 """
 
 
@@ -22,4 +23,5 @@ class CheckpointError(Megatron3dError):
 
 
 class TrainingError(Megatron3dError):
-    """The run itself went wrong: non-finite gradients, a hang."""
+    """The run itself went wrong (non-finite gradients or weights), not its input: entry
+    points exit 1 instead of 2."""

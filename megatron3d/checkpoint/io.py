@@ -14,16 +14,23 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron3d.errors import CheckpointError
 
 FORMAT_VERSION = 1
 LATEST = "latest"
+# Rank files are read with torch's weights-only unpickler: tensors and plain Python data,
+# never arbitrary classes, so loading cannot run code. Checkpoints written before the numpy
+# RNG state was stored as plain data hold one uint32 numpy array; these let it through.
+_LEGACY_NUMPY = [np.zeros(1, np.uint32).__reduce__()[0], np.ndarray, np.dtype,
+                 type(np.dtype(np.uint32))]
 
 
 def iteration_dir(root: Path, iteration: int) -> Path:
@@ -130,7 +137,14 @@ def read_rank(directory: Path, rank: int) -> dict[str, Any]:
         raise CheckpointError(f"{path} is missing: the checkpoint was saved by more ranks than "
                               "left files; load an earlier checkpoint")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        with torch.serialization.safe_globals(_LEGACY_NUMPY):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        found = str(err).split("Unsupported global: GLOBAL ")[-1].split(" ")[0]
+        raise CheckpointError(f"{path} holds an object other than tensors and plain data "
+                              f"({found[:80]}), and unpickling it could run code, so it is not "
+                              "loaded: this is not a megatron3d checkpoint or it was altered; "
+                              "load a checkpoint from a trusted source") from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: "
                               f"{str(err).splitlines()[0]}); it is truncated or damaged, load "

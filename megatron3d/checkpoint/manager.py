@@ -22,7 +22,7 @@ from torch import nn
 from megatron3d.checkpoint import io
 from megatron3d.checkpoint.chunks import KINDS, assemble, index_chunks, local_slice, make_chunks
 from megatron3d.config import ModelConfig, TrainConfig
-from megatron3d.errors import CheckpointError, ConfigError
+from megatron3d.errors import CheckpointError, ConfigError, TrainingError
 from megatron3d.log import get_logger
 from megatron3d.mpu import comm
 from megatron3d.mpu.meta import get_meta
@@ -88,7 +88,7 @@ def _check_finite(local: dict[str, torch.Tensor], state: ParallelState, iteratio
     save never replaces a good checkpoint with a poisoned one (one sync, at save time)."""
     bad = torch.stack([~torch.isfinite(local[k]).all() for k in KINDS]).any().float()
     if comm.all_reduce(bad.reshape(1), state.world, op=comm.MAX).item():
-        raise CheckpointError(
+        raise TrainingError(
             f"the weights at iteration {iteration} are not finite (NaN/Inf in the fp32 weights "
             f"or Adam moments): nothing was written and the previous checkpoints in {root} "
             "are kept; resume from the last good one with --load and a lower --lr")
@@ -176,11 +176,18 @@ def _norm(value: Any) -> Any:
 
 
 def _capture_rng(rng: RNGStreams) -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": rng.get_state()}
+    """Every RNG state as tensors and plain data (what the weights-only loader accepts)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                   "has_gauss": has_gauss, "cached_gaussian": gauss}
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": rng.get_state()}
 
 
 def _restore_rng(rng: RNGStreams, saved: dict[str, Any]) -> None:
     random.setstate(saved["python"])
-    np.random.set_state(saved["numpy"])
+    state = saved["numpy"]
+    if isinstance(state, dict):  # older checkpoints hold numpy's own tuple
+        state = (state["kind"], state["keys"].numpy().astype(np.uint32), state["pos"],
+                 state["has_gauss"], state["cached_gaussian"])
+    np.random.set_state(state)
     rng.set_state({k: v.clone() for k, v in saved["torch"].items()})

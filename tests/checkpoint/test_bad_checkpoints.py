@@ -7,10 +7,13 @@ import hashlib
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import pretrain_gpt
-from megatron3d.checkpoint import io
+from megatron3d.checkpoint import io, manager
+from megatron3d.mpu.random import RNGStreams
 from tests.helpers.tiny import train_argv
 
 
@@ -119,3 +122,56 @@ def test_saving_removes_what_killed_saves_left(checkpoint, tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", "iter_0000004", "latest"]
     assert (root / "iter_0000004" / "meta.json").exists()
     assert (root / "latest").read_text().strip() == "4"
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: what a crafted checkpoint would do, harmlessly."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_crafted_rank_file_runs_no_code(checkpoint, tmp_path, capsys):
+    root = tmp_path / "copy"
+    shutil.copytree(checkpoint, root)
+    marker = tmp_path / "payload-ran"
+    path = root / "iter_0000003" / "rank_00000.pt"
+    payload = torch.load(path, weights_only=True)
+    payload["rng"]["extra"] = _Payload(marker)
+    torch.save(payload, path)
+    before = _tree(root)
+    assert pretrain_gpt.main(train_argv("gpt2", 5, "--load", str(root))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "could run code, so it is not loaded" in err and "(io.open)" in err, err
+    assert not marker.exists()
+    assert _tree(root) == before
+
+
+def test_checkpoints_with_numpy_rng_state_still_load(checkpoint, tmp_path):
+    """Rank files written before the numpy RNG state was stored as plain data hold numpy's
+    own (kind, uint32 array, ...) tuple: they load and restore the same state."""
+    root = tmp_path / "copy"
+    shutil.copytree(checkpoint, root)
+    path = root / "iter_0000003" / "rank_00000.pt"
+    payload = torch.load(path, weights_only=True)
+    saved = payload["rng"]["numpy"]
+    legacy = (saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"],
+              saved["has_gauss"], saved["cached_gaussian"])
+    payload["rng"]["numpy"] = legacy
+    torch.save(payload, path)
+    legacy_read = io.read_rank(root / "iter_0000003", 0)["rng"]
+    assert isinstance(legacy_read["numpy"][1], np.ndarray)
+    rng = RNGStreams.create(1, 0, 0, torch.device("cpu"))
+    np.random.seed(1)  # different states before each restore: equal after means restored
+    manager._restore_rng(rng, legacy_read)
+    from_legacy = np.random.get_state()
+    np.random.seed(2)
+    manager._restore_rng(rng, io.read_rank(checkpoint / "iter_0000003", 0)["rng"])
+    from_plain = np.random.get_state()
+    assert from_legacy[0] == from_plain[0] and (from_legacy[1] == from_plain[1]).all()
+    assert from_legacy[2:] == from_plain[2:]
+    assert pretrain_gpt.main(train_argv("gpt2", 4, "--load", str(root))) == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron3d.errors import CheckpointError, TrainingError
+from megatron3d.errors import TrainingError
 from megatron3d.training.loop import Progress
 from tests.helpers.dist import run_distributed
 from tests.helpers.faults import CorruptAfterReduce
@@ -137,7 +137,7 @@ def _save_poisoned(directory: str, precision: tuple[str, ...]) -> dict:
         trainer.optimizer.inner.param_groups[0]["params"][0].data.view(-1)[0] = float("nan")
     try:
         trainer.save(Progress(4, 32, 512))
-    except CheckpointError as err:
+    except TrainingError as err:
         return {"error": str(err), "unchanged": _tree(Path(directory)) == before,
                 "files": sorted(before)}
     return {"error": None}
