@@ -10,7 +10,10 @@ appears, and gives up after ``timeout_s`` with a message naming the lock. Why a 
 rather than "global rank 0 builds, then barrier": it needs no process group (so
 ``tools/prepare_data_cache.py`` and tests share the code path), it is right when each node
 has its own cache directory (rank 0 could not build another node's), and two jobs sharing a
-directory never race. A lock left by a dead process on this host is detected and removed.
+directory never race. The builder touches its lock every few seconds while it works, so a
+lock is stale, and is removed, when its holder was a process on this host that is gone, when
+nobody refreshed it for ``STALE_S`` (its holder died on another host), or when it is empty or
+garbled for longer than it takes to write one line (a crash between create and write).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -34,6 +38,9 @@ from megatron3d.log import get_logger
 logger = get_logger(__name__)
 
 KEY_FILE = "key.json"
+REFRESH_S = 5.0  # how often a builder touches its lock
+STALE_S = 60.0  # a lock nobody touched for this long has no live builder
+_GARBLED_S = 5.0  # an unreadable lock older than this will never be completed
 _SAMPLE_BYTES = 1 << 20  # bytes hashed from each end of an .idx to identify its content
 
 
@@ -90,8 +97,9 @@ class IndexCache:
                 return _load(entry)
             if _try_lock(lock):
                 try:
-                    if not os.path.isfile(os.path.join(entry, KEY_FILE)):
-                        _write(entry, key, build())
+                    with _refreshing(lock):
+                        if not os.path.isfile(os.path.join(entry, KEY_FILE)):
+                            _write(entry, key, build())
                 finally:
                     os.remove(lock)
                 return _load(entry)
@@ -126,25 +134,57 @@ def _holder(lock: str) -> str:
     return f"pid {pid} on {host}"
 
 
-def _remove_if_stale(lock: str) -> bool:
-    """Remove ``lock`` if its holder was a process on this host that no longer exists."""
+@contextlib.contextmanager
+def _refreshing(lock: str) -> Iterator[None]:
+    """Touch ``lock`` every ``REFRESH_S`` while the block runs: proof that its builder lives."""
+    done = threading.Event()
+
+    def touch() -> None:
+        while not done.wait(REFRESH_S):
+            with contextlib.suppress(OSError):
+                os.utime(lock)
+
+    thread = threading.Thread(target=touch, name="index-cache-lock", daemon=True)
+    thread.start()
     try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _remove_if_stale(lock: str) -> bool:
+    """Remove ``lock`` if no live builder holds it (see the module docstring)."""
+    why = _staleness(lock)
+    if why is None:
+        return False
+    logger.warning("%s: removing a stale lock (%s)", lock, why)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+    return True
+
+
+def _staleness(lock: str) -> str | None:
+    try:
+        age = time.time() - os.stat(lock).st_mtime
         with open(lock) as f:
             host, pid, _ = f.read().split()
-    except (OSError, ValueError):
-        return False  # gone already, or being written right now
+        pid_number = int(pid)
+    except FileNotFoundError:
+        return None  # released meanwhile
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"empty or garbled for {age:.0f}s" if age > _GARBLED_S else None
+    if age > STALE_S:
+        return f"not refreshed for {age:.0f}s by pid {pid} on {host}"
     if host != socket.gethostname():
-        return False
+        return None
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid_number, 0)
     except ProcessLookupError:
-        logger.warning("%s: removing a lock left by pid %s, which no longer runs", lock, pid)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(lock)
-        return True
+        return f"left by pid {pid}, which no longer runs"
     except PermissionError:
         pass  # alive, owned by another user
-    return False
+    return None
 
 
 def _write(entry: str, key: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
@@ -164,11 +204,13 @@ def _write(entry: str, key: Mapping[str, Any], arrays: Mapping[str, np.ndarray])
 
 
 def _load(entry: str) -> dict[str, np.ndarray]:
-    with open(os.path.join(entry, KEY_FILE)) as f:
-        names = json.load(f)["arrays"]
     try:
+        with open(os.path.join(entry, KEY_FILE), encoding="utf-8") as f:
+            names = json.load(f)["arrays"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{KEY_FILE} lists {names!r}, not array names")
         return {name: np.load(os.path.join(entry, name + ".npy"), mmap_mode="r",
                               allow_pickle=False) for name in names}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{entry}: unreadable index cache entry ({exc}); delete the directory "
                         "and it will be rebuilt") from None

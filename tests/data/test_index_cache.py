@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from megatron3d.data import index_cache
 from megatron3d.data.builder import build_datasets
 from megatron3d.data.index_cache import IndexCache, cache_key, dataset_identity
 from megatron3d.data.indexed_builder import IndexedDatasetBuilder
@@ -112,3 +113,60 @@ def test_unwritable_cache_directory(tmp_path):
     blocker.write_text("")
     with pytest.raises(DataError, match="--data-cache-path"):
         IndexCache(str(blocker / "cache"))
+
+
+def _lock_of(cache_dir: Path, content: str, age_s: float = 0.0) -> str:
+    entry = os.path.join(str(cache_dir), f"n-{cache_key({'k': 1})}")
+    with open(entry + ".lock", "w") as f:
+        f.write(content)
+    then = time.time() - age_s
+    os.utime(entry + ".lock", (then, then))
+    return entry
+
+
+def test_an_empty_lock_delays_a_run_only_seconds(tmp_path, monkeypatch):
+    """A process that died between creating its lock and writing it left an empty file."""
+    monkeypatch.setattr(index_cache, "_GARBLED_S", 1.0)
+    entry = _lock_of(tmp_path, "")
+    start = time.monotonic()
+    arrays = IndexCache(str(tmp_path), poll_s=0.05).get_or_build(
+        "n", {"k": 1}, lambda: {"a": np.arange(2)})
+    assert arrays["a"].tolist() == [0, 1] and not os.path.exists(entry + ".lock")
+    assert 1.0 <= time.monotonic() - start < 3.0
+
+
+def test_a_lock_nobody_refreshes_is_taken_over(tmp_path):
+    """Its holder died on another host: no pid to check, but it stopped touching the lock."""
+    entry = _lock_of(tmp_path, "elsewhere 123 0\n", age_s=index_cache.STALE_S + 1)
+    start = time.monotonic()
+    IndexCache(str(tmp_path), poll_s=0.05).get_or_build("n", {"k": 1},
+                                                        lambda: {"a": np.arange(2)})
+    assert time.monotonic() - start < 2.0 and not os.path.exists(entry + ".lock")
+
+
+def test_a_live_builder_keeps_its_lock_fresh(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_cache, "REFRESH_S", 0.05)
+    entry = os.path.join(str(tmp_path), f"n-{cache_key({'k': 1})}")
+    ages = []
+
+    def build() -> dict:
+        os.utime(entry + ".lock", (0, 0))  # as if untouched since 1970
+        time.sleep(0.5)
+        ages.append(time.time() - os.stat(entry + ".lock").st_mtime)
+        return {"a": np.arange(2)}
+
+    IndexCache(str(tmp_path)).get_or_build("n", {"k": 1}, build)
+    assert ages[0] < 1.0
+
+
+def test_a_corrupt_cache_key_is_one_clear_error(tmp_path):
+    cache = IndexCache(str(tmp_path))
+    cache.get_or_build("n", {"k": 1}, lambda: {"a": np.arange(2)})
+    entry = os.path.join(str(tmp_path), f"n-{cache_key({'k': 1})}")
+    for text in ("{not json", '{"arrays": 3}', "[]"):
+        with open(os.path.join(entry, "key.json"), "w") as f:
+            f.write(text)
+        with pytest.raises(DataError, match=r"unreadable index cache entry .*delete the "
+                                            "directory") as err:
+            cache.get_or_build("n", {"k": 1}, lambda: {"a": np.arange(2)})
+        assert "\n" not in str(err.value)
