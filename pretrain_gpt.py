@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron3d import device as devices
 from megatron3d.arguments import format_config, parse_args
 from megatron3d.checkpoint import manager as checkpoint
+from megatron3d.checkpoint.safety import check_paths
 from megatron3d.config import TrainConfig
 from megatron3d.errors import Megatron3dError, TrainingError
 from megatron3d.log import get_logger, setup_logging
@@ -34,9 +35,9 @@ logger = get_logger("pretrain_gpt")
 
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()  # --exit-duration-in-mins counts start-up and loading too
-    env = devices.launch_env()
     try:
         cfg = checkpoint.with_checkpoint_args(parse_args(argv))
+        env = devices.launch_env()  # after parsing, so --help works under any launcher
         if cfg.parallel.print_topology:  # a planning aid: only the layout must be valid
             table = Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
                              cfg.parallel.pipeline_model_parallel_size).table()
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.data.dry_run_data:
             sys.stdout.write(_dry_run(cfg, env.world_size) + "\n")
             return 0
+        check_paths(cfg.checkpoint)  # before the hang dumps go under --save
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

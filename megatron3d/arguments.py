@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron3d.config import SECTIONS, TrainConfig
+from megatron3d.config import SECTIONS, Range, TrainConfig
 from megatron3d.errors import ConfigError
 
 CONFIG_FLAG = "--config"
@@ -51,6 +51,7 @@ class FieldSpec:
     nargs: int | str | None  # a count, "+" for one or more, None for a single value
     default: Any
     help: str
+    bounds: Range | None  # the values validation accepts, shown in --help
 
     @property
     def flag(self) -> str:
@@ -114,6 +115,7 @@ def _field_spec(section: str, field: dataclasses.Field, annotation: Any) -> Fiel
         nargs=nargs,
         default=field.default,
         help=field.metadata["help"],
+        bounds=field.metadata["range"],
     )
 
 
@@ -286,6 +288,8 @@ def _help_text(spec: FieldSpec) -> str:
     text = spec.help
     if spec.default is not None and spec.default is not False:
         text += f" Default: {spec.default}."
+    if spec.bounds is not None:
+        text += f" Allowed: {spec.bounds}."
     return text.replace("%", "%%")  # argparse %-formats help strings
 
 

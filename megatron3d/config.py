@@ -3,8 +3,9 @@
 Every field name is the Megatron-DeepSpeed flag name with dashes turned into underscores, and
 each name appears in exactly one section, so ``arguments.py`` maps flags and YAML keys to
 fields without a hand-written table. The ``help`` metadata is the field's documentation and
-the ``--help`` text. Values derived from several fields are properties, never stored twice.
-Cross-field checks live in ``validation.py``.
+the ``--help`` text; ``range`` bounds a numeric field's value next to its definition (checked
+by ``validation.py``, shown in ``--help``). Values derived from several fields are properties,
+never stored twice. Cross-field checks live in ``validation.py``.
 """
 
 from __future__ import annotations
@@ -18,40 +19,81 @@ Normalization = Literal["layernorm", "rmsnorm"]
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 
 
-def _opt(default, help: str, **extra):  # noqa: A002 - mirrors argparse's keyword
-    """A dataclass field whose ``help`` documents it and becomes the flag's help text."""
-    return field(default=default, metadata={"help": help, **extra})
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field accepts, checked by ``validation`` and shown in ``--help``.
+
+    A bound of ``None`` is absent; ``*_open`` excludes the bound itself. NaN is never inside.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        low, high = self.low, self.high
+        above = low is None or (value > low if self.low_open else value >= low)
+        return above and (high is None or (value < high if self.high_open else value <= high))
+
+    def __str__(self) -> str:
+        """``>= 1``, ``> 0`` or ``[0, 1)``: the ``--help`` and error-message spelling."""
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return (f"{'(' if self.low_open else '['}{self.low}, "
+                f"{self.high}{')' if self.high_open else ']'}")
+
+
+AT_LEAST_ONE = Range(1)
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, low_open=True)
+PROBABILITY = Range(0, 1, high_open=True)
+FRACTION = Range(0, 1)
+SIZE = Range(1, 2**20)
+"""Tensor sizes (sequence, hidden, batch): 2**20 is far beyond any run, while a per-head
+[s, s] attention mask or a [b, s, h] activation of that size already fills a device."""
+SEED = Range(0, 2**32, high_open=True)
+"""A 32-bit seed: torch and numpy take it with the per-stage and TP offsets added."""
+
+
+def _opt(default, help: str, *, range: Range | None = None,  # noqa: A002 - argparse's names
+         **extra):
+    """A dataclass field whose ``help`` documents it and becomes the flag's help text;
+    ``range``, when given, bounds its value (every float must also be finite)."""
+    return field(default=default, metadata={"help": help, "range": range, **extra})
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The GPT family: GPT-2 by default, BLOOM and Llama-style through flags."""
 
-    num_layers: int = _opt(None, "Number of transformer blocks.")
-    hidden_size: int = _opt(None, "Transformer hidden size h.")
-    num_attention_heads: int = _opt(None, "Attention heads; must divide hidden size.")
+    num_layers: int = _opt(None, "Number of transformer blocks.", range=AT_LEAST_ONE)
+    hidden_size: int = _opt(None, "Transformer hidden size h.", range=SIZE)
+    num_attention_heads: int = _opt(
+        None, "Attention heads; must divide hidden size.", range=AT_LEAST_ONE)
     ffn_hidden_size: int | None = _opt(
-        None, "MLP inner size; default 4h, or 2/3 of 4h rounded down to 64 with --swiglu.")
-    seq_length: int = _opt(None, "Tokens per training sample.")
+        None, "MLP inner size; default 4h, or 2/3 of 4h rounded down to 64 with --swiglu.",
+        range=SIZE)
+    seq_length: int = _opt(None, "Tokens per training sample.", range=SIZE)
     max_position_embeddings: int | None = _opt(
-        None, "Learned position table size; default --seq-length.")
+        None, "Learned position table size; default --seq-length.", range=SIZE)
     vocab_size: int | None = _opt(
-        None, "Logical vocabulary size (the null/mock tokenizer's size).")
+        None, "Logical vocabulary size (the null/mock tokenizer's size).", range=AT_LEAST_ONE)
     make_vocab_size_divisible_by: int = _opt(
-        128, "Pad the vocabulary to a multiple of this times the TP size.")
+        128, "Pad the vocabulary to a multiple of this times the TP size.", range=AT_LEAST_ONE)
     position_embedding_type: PositionEmbeddingType = _opt(
         "learned_absolute", "learned_absolute (GPT-2), alibi (BLOOM) or rope (Llama).")
-    rotary_base: float = _opt(10000.0, "Base of the rotary frequencies.")
+    rotary_base: float = _opt(10000.0, "Base of the rotary frequencies.", range=POSITIVE)
     normalization: Normalization = _opt("layernorm", "layernorm or rmsnorm.")
-    layernorm_epsilon: float = _opt(1e-5, "Epsilon of every normalisation layer.")
+    layernorm_epsilon: float = _opt(1e-5, "Epsilon of every normalisation layer.", range=POSITIVE)
     swiglu: bool = _opt(False, "SwiGLU MLP (gate and up projections, SiLU).")
     embed_layernorm: bool = _opt(False, "LayerNorm right after the word embedding (BLOOM).")
     untie_embeddings_and_output_weights: bool = _opt(
         False, "Give the LM head its own weight instead of the input embedding's.")
     disable_bias_linear: bool = _opt(False, "No biases in linear layers (Llama-style).")
-    init_method_std: float = _opt(0.02, "Std of the normal initialisation.")
-    hidden_dropout: float = _opt(0.1, "Dropout on attention and MLP outputs.")
-    attention_dropout: float = _opt(0.1, "Dropout on attention probabilities.")
+    init_method_std: float = _opt(0.02, "Std of the normal initialisation.", range=POSITIVE)
+    hidden_dropout: float = _opt(0.1, "Dropout on attention and MLP outputs.", range=PROBABILITY)
+    attention_dropout: float = _opt(0.1, "Dropout on attention probabilities.", range=PROBABILITY)
     checkpoint_activations: bool = _opt(
         False, "Recompute each transformer block in the backward pass to save memory.")
 
@@ -89,8 +131,8 @@ class ModelConfig:
 class ParallelConfig:
     """The parallel layout; the data-parallel size is derived from the world size."""
 
-    tensor_model_parallel_size: int = _opt(1, "Tensor-parallel size (TP).")
-    pipeline_model_parallel_size: int = _opt(1, "Pipeline-parallel size (PP).")
+    tensor_model_parallel_size: int = _opt(1, "Tensor-parallel size (TP).", range=AT_LEAST_ONE)
+    pipeline_model_parallel_size: int = _opt(1, "Pipeline-parallel size (PP).", range=AT_LEAST_ONE)
     zero_stage: int = _opt(0, "ZeRO stage for data parallelism (0, 1 or 3).")
     pp_partition_method: str = _opt(
         "parameters", "Pipeline partitioning: uniform, parameters or type:REGEX.")
@@ -144,30 +186,35 @@ class ParallelConfig:
 class TrainingConfig:
     """Batch sizes, run length, evaluation cadence and the seed."""
 
-    micro_batch_size: int = _opt(None, "Samples per micro-batch per data-parallel rank.")
+    micro_batch_size: int = _opt(
+        None, "Samples per micro-batch per data-parallel rank.", range=SIZE)
     global_batch_size: int | None = _opt(
-        None, "Samples per optimizer step; default micro batch size x DP size.")
+        None, "Samples per optimizer step; default micro batch size x DP size.", range=AT_LEAST_ONE)
     rampup_batch_size: tuple[int, int, int] | None = _opt(
         None, "START INCR SAMPLES: grow the global batch from START by INCR over SAMPLES.",
         nargs=3)
-    train_iters: int | None = _opt(None, "Optimizer steps to run (or use --train-samples).")
-    train_samples: int | None = _opt(None, "Samples to train on (or use --train-iters).")
-    eval_interval: int = _opt(1000, "Evaluate every this many iterations.")
-    eval_iters: int = _opt(100, "Global batches per evaluation.")
-    seed: int = _opt(1234, "Seed for initialisation, data and dropout.")
+    train_iters: int | None = _opt(
+        None, "Optimizer steps to run (or use --train-samples).", range=AT_LEAST_ONE)
+    train_samples: int | None = _opt(
+        None, "Samples to train on (or use --train-iters).", range=AT_LEAST_ONE)
+    eval_interval: int = _opt(1000, "Evaluate every this many iterations.", range=AT_LEAST_ONE)
+    eval_iters: int = _opt(100, "Global batches per evaluation.", range=NON_NEGATIVE)
+    seed: int = _opt(1234, "Seed for initialisation, data and dropout.", range=SEED)
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """AdamW hyper-parameters and gradient clipping."""
 
-    lr: float | None = _opt(None, "Peak learning rate.")
-    min_lr: float = _opt(0.0, "Learning rate at the end of decay.")
-    weight_decay: float = _opt(0.01, "Decoupled weight decay (biases and norms get none).")
-    clip_grad: float = _opt(1.0, "Clip the global gradient norm to this; 0 disables.")
-    adam_beta1: float = _opt(0.9, "Adam beta1.")
-    adam_beta2: float = _opt(0.999, "Adam beta2.")
-    adam_eps: float = _opt(1e-8, "Adam epsilon.")
+    lr: float | None = _opt(None, "Peak learning rate.", range=POSITIVE)
+    min_lr: float = _opt(0.0, "Learning rate at the end of decay.", range=NON_NEGATIVE)
+    weight_decay: float = _opt(
+        0.01, "Decoupled weight decay (biases and norms get none).", range=NON_NEGATIVE)
+    clip_grad: float = _opt(
+        1.0, "Clip the global gradient norm to this; 0 disables.", range=NON_NEGATIVE)
+    adam_beta1: float = _opt(0.9, "Adam beta1.", range=PROBABILITY)
+    adam_beta2: float = _opt(0.999, "Adam beta2.", range=PROBABILITY)
+    adam_eps: float = _opt(1e-8, "Adam epsilon.", range=POSITIVE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,11 +222,14 @@ class LRScheduleConfig:
     """Warmup then decay, measured in samples (iteration flags are converted)."""
 
     lr_decay_style: LRDecayStyle = _opt("linear", "constant, linear or cosine.")
-    lr_warmup_iters: int = _opt(0, "Warmup length in iterations.")
-    lr_warmup_samples: int = _opt(0, "Warmup length in samples.")
-    lr_warmup_fraction: float | None = _opt(None, "Warmup as a fraction of the decay length.")
-    lr_decay_iters: int | None = _opt(None, "Decay length in iterations; default the run.")
-    lr_decay_samples: int | None = _opt(None, "Decay length in samples; default the run.")
+    lr_warmup_iters: int = _opt(0, "Warmup length in iterations.", range=NON_NEGATIVE)
+    lr_warmup_samples: int = _opt(0, "Warmup length in samples.", range=NON_NEGATIVE)
+    lr_warmup_fraction: float | None = _opt(
+        None, "Warmup as a fraction of the decay length.", range=FRACTION)
+    lr_decay_iters: int | None = _opt(
+        None, "Decay length in iterations; default the run.", range=AT_LEAST_ONE)
+    lr_decay_samples: int | None = _opt(
+        None, "Decay length in samples; default the run.", range=AT_LEAST_ONE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,11 +238,14 @@ class PrecisionConfig:
 
     bf16: bool = _opt(False, "bf16 parameters and activations, fp32 master weights and grads.")
     fp16: bool = _opt(False, "fp16 parameters and activations with dynamic loss scaling.")
-    loss_scale: float | None = _opt(None, "Static fp16 loss scale; default dynamic.")
-    initial_loss_scale: float = _opt(2.0**32, "Starting dynamic loss scale.")
-    min_loss_scale: float = _opt(1.0, "Smallest dynamic loss scale.")
-    loss_scale_window: int = _opt(1000, "Clean steps before the dynamic scale doubles.")
-    hysteresis: int = _opt(2, "Overflows tolerated before the dynamic scale halves.")
+    loss_scale: float | None = _opt(
+        None, "Static fp16 loss scale; default dynamic.", range=POSITIVE)
+    initial_loss_scale: float = _opt(2.0**32, "Starting dynamic loss scale.", range=POSITIVE)
+    min_loss_scale: float = _opt(1.0, "Smallest dynamic loss scale.", range=POSITIVE)
+    loss_scale_window: int = _opt(
+        1000, "Clean steps before the dynamic scale doubles.", range=AT_LEAST_ONE)
+    hysteresis: int = _opt(
+        2, "Overflows tolerated before the dynamic scale halves.", range=AT_LEAST_ONE)
 
     @property
     def params_dtype_name(self) -> str:
@@ -236,10 +289,11 @@ class DataConfig:
 class LoggingConfig:
     """The log line and TensorBoard."""
 
-    log_interval: int = _opt(100, "Print the iteration line every this many iterations.")
+    log_interval: int = _opt(
+        100, "Print the iteration line every this many iterations.", range=AT_LEAST_ONE)
     tensorboard_dir: str | None = _opt(None, "Write TensorBoard event files here.")
     peak_tflops: float | None = _opt(
-        None, "Device peak TFLOP/s for MFU; default known for A100/H100.")
+        None, "Device peak TFLOP/s for MFU; default known for A100/H100.", range=POSITIVE)
     memory_report: bool = _opt(
         False, "After the first step, print each rank's measured parameter, gradient and "
         "optimizer-state bytes (and the device's allocated bytes).")
@@ -270,18 +324,20 @@ class ResilienceConfig:
 
     hang_timeout: float = _opt(
         300.0, "Seconds without a finished step after which every rank writes a hang dump "
-        "(stacks, recent collectives, coordinates) and exits non-zero; 0 disables the watchdog.")
+        "(stacks, recent collectives, coordinates) and exits non-zero; 0 disables the watchdog.",
+        range=NON_NEGATIVE)
     hang_startup_timeout: float = _opt(
         1800.0, "The watchdog's allowance during start-up, checkpoint load and save, "
-        "evaluation, and until the first step finishes.")
+        "evaluation, and until the first step finishes.", range=NON_NEGATIVE)
     hang_dump_dir: str | None = _opt(
         None, "Directory for hang dumps (rank-XXXXX.txt); default SAVE/hang, or ./hang "
         "without --save. SIGUSR2 writes a dump there without stopping the run.")
     flight_recorder_size: int = _opt(
-        2048, "Collective and point-to-point operations each rank remembers for hang dumps.")
+        2048, "Collective and point-to-point operations each rank remembers for hang dumps.",
+        range=NON_NEGATIVE)
     distributed_timeout_minutes: int = _opt(
         10, "Timeout of every collective in the process group; keep it above --hang-timeout "
-        "so the watchdog reports a hang before the backend aborts.")
+        "so the watchdog reports a hang before the backend aborts.", range=AT_LEAST_ONE)
     check_for_nan_in_loss_and_grad: bool = _opt(
         False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
         "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron3d.errors import ConfigError
+
 # Dense bf16 peak TFLOP/s per GPU, used for MFU when --peak-tflops is not given.
 _PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
 
@@ -28,15 +30,32 @@ class LaunchEnv:
 
 
 def launch_env() -> LaunchEnv:
+    """The launcher's RANK, WORLD_SIZE and LOCAL_RANK; ``ConfigError`` when they make no
+    sense, since the process group would otherwise fail with a traceback or wait forever."""
     env = os.environ
     if "WORLD_SIZE" not in env:
         return LaunchEnv(rank=0, world_size=1, local_rank=0, launched=False)
-    return LaunchEnv(
-        rank=int(env.get("RANK", "0")),
-        world_size=int(env["WORLD_SIZE"]),
-        local_rank=int(env.get("LOCAL_RANK", "0")),
-        launched=True,
-    )
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if rank >= world_size:
+        raise ConfigError(f"this process's rank is outside the job (RANK={rank}, "
+                          f"WORLD_SIZE={world_size}): launch with torchrun, or set RANK to "
+                          f"0..{world_size - 1}")
+    return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, launched=True)
+
+
+def _env_int(name: str, low: int) -> int:
+    """Environment variable ``name`` (``0`` when unset) as a whole number >= ``low``."""
+    raw = os.environ.get(name, "0")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise ConfigError(f"invalid launcher environment variable ({name}={raw!r}): expected a "
+                          f"whole number >= {low}; launch with torchrun, or unset WORLD_SIZE, "
+                          "RANK and LOCAL_RANK for one process")
+    return value
 
 
 def accelerator_available() -> bool:

@@ -17,34 +17,17 @@ gives the value once the world size is known.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from collections.abc import Callable
 from typing import Any
 
-from megatron3d.config import SECTIONS, TrainConfig
+from megatron3d.config import SECTIONS, Range, TrainConfig
 from megatron3d.errors import ConfigError
 from megatron3d.training.batch_schedule import BatchSchedule
 
 _REQUIRED = (
     "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
 )
-_AT_LEAST_ONE = (
-    "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-    "global_batch_size", "vocab_size", "ffn_hidden_size", "max_position_embeddings",
-    "make_vocab_size_divisible_by", "train_iters", "train_samples",
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "lr_decay_iters",
-    "lr_decay_samples", "loss_scale_window", "hysteresis", "log_interval", "eval_interval",
-    "distributed_timeout_minutes",
-)
-_POSITIVE = (
-    "lr", "adam_eps", "layernorm_epsilon", "rotary_base", "init_method_std", "loss_scale",
-    "initial_loss_scale", "min_loss_scale", "peak_tflops",
-)
-_NON_NEGATIVE = (
-    "min_lr", "weight_decay", "clip_grad", "lr_warmup_iters", "lr_warmup_samples", "eval_iters",
-    "seed", "hang_timeout", "hang_startup_timeout", "flight_recorder_size",
-)
-_PROBABILITY = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")  # [0, 1)
 _ZERO_STAGES = (0, 1, 3)
 _PARTITION_METHODS = ("uniform", "parameters")
 _TYPE_PREFIX = "type:"
@@ -90,7 +73,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     values = _flat(cfg)
     _check_required(values)
     _check_data(values)
-    _check_ranges(values)
+    _check_ranges(cfg)
     _check_run_length(values)
     _check_model(values)
     _check_precision(values)
@@ -160,27 +143,29 @@ def _check_tokenizer(values: dict[str, Any]) -> None:
             "drop --vocab-size (--make-vocab-size-divisible-by controls the padding)")
 
 
-def _check_each(
-    values: dict[str, Any], names: tuple[str, ...], ok: Callable[[Any], bool], rule: str, fix: str
-) -> None:
-    """Values that are set must satisfy ``ok``; ``rule`` says what that means to a user."""
-    for name in names:
-        value = values[name]
-        if value is not None and not ok(value):
-            raise _error(f"{flag(name)} must be {rule}", {name: value}, fix)
+def _check_ranges(cfg: TrainConfig) -> None:
+    """Every float set must be finite (``--lr 1e400`` parses as inf) and every value inside
+    its field's ``range`` (``config.Range``); NaN fails both."""
+    for section in SECTIONS:
+        part = getattr(cfg, section)
+        for field in dataclasses.fields(part):
+            name, value, bounds = field.name, getattr(part, field.name), field.metadata["range"]
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _error(f"{flag(name)} must be a finite number", {name: value},
+                             "give a finite value (not inf or nan)")
+            if value is not None and bounds is not None and value not in bounds:
+                whole = "whole " if isinstance(value, int) else ""
+                raise _error(f"{flag(name)} must be {_words(bounds)}", {name: value},
+                             f"use a {whole}number {_words(bounds, symbols=True)}")
 
 
-def _check_ranges(values: dict[str, Any]) -> None:
-    # Failing values are those where ``ok`` is False, so NaN (every comparison False) fails.
-    _check_each(values, _AT_LEAST_ONE, lambda v: v >= 1, "at least 1", "use a whole number >= 1")
-    _check_each(values, _POSITIVE, lambda v: v > 0, "greater than 0", "use a number > 0")
-    _check_each(values, _NON_NEGATIVE, lambda v: v >= 0, "0 or more", "use a number >= 0")
-    _check_each(
-        values, _PROBABILITY, lambda v: 0 <= v < 1, "in [0, 1)", "use 0 <= value < 1"
-    )
-    _check_each(
-        values, ("lr_warmup_fraction",), lambda v: 0 <= v <= 1, "in [0, 1]", "use 0 <= value <= 1"
-    )
+def _words(bounds: Range, symbols: bool = False) -> str:
+    """``at least 1`` (``>= 1`` with ``symbols``), ``greater than 0`` or ``in [0, 1)``."""
+    if bounds.high is not None:
+        return f"in {bounds}"
+    if symbols:
+        return str(bounds)
+    return f"{'greater than' if bounds.low_open else 'at least'} {bounds.low}"
 
 
 def _check_run_length(values: dict[str, Any]) -> None:

@@ -104,7 +104,8 @@ def test_help_exits_zero_and_lists_grouped_flags(capsys):
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # undo line wrapping
     for text in ("--num-layers", "--rampup-batch-size INT INT INT", "{learned_absolute,rope,alibi}",
-                 "--config FILE", "parallel:", "dropout. Default: 1234."):
+                 "--config FILE", "parallel:", "dropout. Default: 1234. Allowed: [0, 4294967296).",
+                 "Tokens per training sample. Allowed: [1, 1048576].", "Allowed: > 0."):
         assert text in out
 
 

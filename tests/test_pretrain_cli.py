@@ -76,3 +76,47 @@ def test_world_size_not_divisible_by_tp_x_pp_exits_2(monkeypatch, capsys, world_
     assert err.endswith("\n") and err.count("\n") == 1, err
     assert err.startswith("error: ")
     assert f"world size {world_size}" in err and "--tensor-model-parallel-size" in err
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("error: ") and err.endswith("\n") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+    ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK='-1'"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2, WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "x"}, "LOCAL_RANK='x'"),
+])
+def test_bad_launcher_environment_exits_2(monkeypatch, capsys, env, named):
+    """A broken launcher environment is bad input like a bad flag, not a traceback or a hang."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(pretrain_gpt.devices, "init_process_group", _must_not_start)
+    assert pretrain_gpt.main(train_argv("gpt2", 10)) == 2
+    assert named in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--lr", "inf"], "--lr=inf"),
+    (["--lr", "1e400"], "--lr=inf"),
+    (["--adam-eps", "inf"], "--adam-eps=inf"),
+    (["--init-method-std=-inf"], "--init-method-std=-inf"),  # argparse: "-inf" alone is a flag
+    (["--seed", str(2**70)], f"--seed={2**70}"),
+    (["--seq-length", "50_000_000"], "--seq-length=50000000"),
+])
+def test_non_finite_or_absurd_numbers_exit_2(monkeypatch, capsys, flags, named):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(pretrain_gpt.devices, "init_process_group", _must_not_start)
+    assert pretrain_gpt.main(train_argv("gpt2", 10, *flags)) == 2
+    assert named in _one_error_line(capsys)
+
+
+def _must_not_start(*_args: object, **_kwargs: object) -> None:
+    raise AssertionError("bad input must stop before the process group starts")

@@ -76,6 +76,15 @@ BAD = {
     "eps zero": ({"adam_eps": 0.0}, 1, ["--adam-eps=0.0"]),
     "layernorm eps zero": ({"layernorm_epsilon": 0.0}, 1, ["--layernorm-epsilon=0.0"]),
     "negative seed": ({"seed": -1}, 1, ["--seed=-1"]),
+    "seed past 32 bits": ({"seed": 2**70}, 1, [f"--seed={2**70}", "[0, 4294967296)"]),
+    "seed 2**32": ({"seed": 2**32}, 1, [f"--seed={2**32}"]),
+    "seq length absurd": ({"seq_length": 50_000_000}, 1,
+                          ["--seq-length=50000000", "in [1, 1048576]"]),
+    "hidden size absurd": ({"hidden_size": 2**21}, 1, [f"--hidden-size={2**21}", "1048576"]),
+    "micro batch absurd": ({"micro_batch_size": 2**21}, 1, [f"--micro-batch-size={2**21}"]),
+    "lr inf": ({"lr": math.inf}, 1, ["--lr=inf", "finite"]),
+    "min lr inf": ({"min_lr": math.inf}, 1, ["--min-lr=inf", "finite"]),
+    "clip grad inf": ({"clip_grad": math.inf}, 1, ["--clip-grad=inf", "finite"]),
     # model shape
     "hidden % heads": ({"num_attention_heads": 6}, 1, ["--hidden-size=64",
                                                        "--num-attention-heads=6"]),
@@ -161,6 +170,19 @@ def test_bad_config_raises_one_line_naming_the_flag(overrides, world_size, expec
         assert text in message, message
 
 
+FLOAT_FIELDS = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+                if f.type in ("float", "float | None")]
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_every_float_flag_must_be_finite(name, value):
+    """inf would train nothing (--adam-eps inf) or never stop; the range alone let it pass."""
+    with pytest.raises(ConfigError) as info:
+        validate(make(**{name: value}), 1)
+    assert str(info.value).startswith(f"--{name.replace('_', '-')} must be a finite number (")
+
+
 def test_message_format_is_what_value_fix():
     with pytest.raises(ConfigError, match=r"^.+ \(--num-layers=0\): .+$"):
         validate(make(num_layers=0), 1)
@@ -188,6 +210,9 @@ GOOD = {
                                 "max_position_embeddings": 64, "checkpoint_activations": True,
                                 "clip_grad": 0.0, "weight_decay": 0.0}, 1),
     "uniform partition": ({"pp_partition_method": "uniform"}, 1),
+    "largest seed and sizes": ({"seed": 2**32 - 1, "seq_length": 2**20, "hidden_size": 2**20,
+                                "micro_batch_size": 2**20, "ffn_hidden_size": 2**20,
+                                "max_position_embeddings": 2**20}, 1),
     "regex partition": ({"pp_partition_method": "type:transformer|embedding"}, 1),
 }
 

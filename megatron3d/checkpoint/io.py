@@ -84,9 +84,16 @@ def read_latest(root: Path) -> int:
         raise CheckpointError(f"{root} holds checkpoints but no '{LATEST}' file naming the "
                               "complete one: write the iteration to load into it, or --load "
                               "another directory")
-    text = path.read_text().strip()
+    try:
+        text = path.read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} cannot be read as an iteration number "
+                              f"({type(err).__name__}); it is damaged: write the iteration "
+                              "to load into it, or --load another directory") from None
     if not text.isdigit():
-        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}")
+        raise CheckpointError(f"{path} should hold an iteration number, found {text[:40]!r}: "
+                              "write the iteration to load into it, or --load another "
+                              "directory")
     return int(text)
 
 
@@ -121,14 +128,46 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint")
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err.msg}); the file is "
-                              "damaged") from None
+                              "damaged: load an earlier checkpoint") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}); the file is "
+                              "damaged: load an earlier checkpoint") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(meta).__name__}, not an object; "
+                              "the file is damaged: load an earlier checkpoint")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {meta.get('format_version')}, this "
                               f"megatron3d reads version {FORMAT_VERSION}")
+    wrong = _wrong_fields(meta)
+    if wrong:
+        raise CheckpointError(f"{path} has missing or mistyped fields ({', '.join(wrong)}); "
+                              "the file is damaged: load an earlier checkpoint")
     return meta
+
+
+# What read_meta's callers use, with the types json gives them.
+_META_FIELDS: dict[str, tuple[type, ...]] = {
+    "iteration": (int,), "consumed_samples": (int,), "consumed_tokens": (int,),
+    "adam_step": (int, float), "layout": (dict,), "loss_scaler": (dict, type(None)),
+    "config": (dict,)}
+_LAYOUT_FIELDS = ("world_size", "tp", "pp", "dp", "zero_stage")
+
+
+def _wrong_fields(meta: dict[str, Any]) -> list[str]:
+    """Names of the fields of ``meta`` that are missing or of the wrong type."""
+    def ok(value: Any, types: tuple[type, ...]) -> bool:
+        return isinstance(value, types) and not isinstance(value, bool)
+
+    wrong = [k for k, types in _META_FIELDS.items() if not ok(meta.get(k), types)]
+    if "layout" not in wrong:
+        wrong += [f"layout.{k}" for k in _LAYOUT_FIELDS if not ok(meta["layout"].get(k), (int,))]
+    if "config" not in wrong:
+        wrong += [f"config.{k}" for k, v in meta["config"].items() if not ok(v, (dict,))]
+        wrong += [] if "model" in meta["config"] else ["config.model"]
+    return wrong
 
 
 def read_rank(directory: Path, rank: int) -> dict[str, Any]:

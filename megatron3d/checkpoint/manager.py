@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from megatron3d.checkpoint import io
+from megatron3d.checkpoint import io, safety
 from megatron3d.checkpoint.chunks import KINDS, assemble, index_chunks, local_slice, make_chunks
 from megatron3d.config import ModelConfig, TrainConfig
 from megatron3d.errors import CheckpointError, ConfigError, TrainingError
@@ -67,7 +67,9 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
         tmp.mkdir()
     comm.barrier(state.world)
     chunks = make_chunks(params, optimizer.shard, local, state, cfg.parallel.zero_stage, KINDS)
-    io.write_rank(tmp, state.world_rank, {"chunks": chunks, "rng": _capture_rng(rng)})
+    io.write_rank(tmp, state.world_rank, {  # iteration, rank, layout: see safety.py
+        "chunks": chunks, "rng": _capture_rng(rng), "iteration": progress.iteration,
+        "rank": state.world_rank, "layout": layout(cfg, state)})
     comm.barrier(state.world)
     if state.world_rank == 0:
         io.write_meta(tmp, {
@@ -95,8 +97,10 @@ def _check_finite(local: dict[str, torch.Tensor], state: ParallelState, iteratio
 
 
 def find(root: str) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None for an empty or missing dir."""
+    """The newest complete checkpoint under ``root``, or None for an empty or missing dir
+    (never for an iteration directory or a file: those are refused)."""
     path = Path(root)
+    safety.check_load_root(path)
     if not io.has_checkpoints(path):
         return None
     return io.iteration_dir(path, io.read_latest(path))
@@ -142,6 +146,8 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
     meta = io.read_meta(directory)
     check_model_matches(cfg, meta["config"])
     files = [io.read_rank(directory, r) for r in range(meta["layout"]["world_size"])]
+    for r, payload in enumerate(files):  # before anything is installed
+        safety.check_rank_file(directory, r, payload, meta)
     index = index_chunks(c for f in files for c in f["chunks"])
     kinds = ("weight",) if weights_only else KINDS
     target = {k: torch.zeros(optimizer.shard.numel, dtype=torch.float32) for k in KINDS}

@@ -8,6 +8,7 @@ arguments so it needs nothing but the flag values.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,9 +97,10 @@ def parse_split(split: str) -> tuple[float, float, float]:
         parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
     except ValueError:
         parts = []
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ConfigError(f"invalid --split {split!r}: expected up to three non-negative "
-                          "weights for train, valid, test, e.g. '969, 30, 1'")
+    if (not 1 <= len(parts) <= 3 or not all(p >= 0 for p in parts)  # nan fails too
+            or not 0 < sum(parts) < math.inf):
+        raise ConfigError(f"invalid split (--split={split!r}): give up to three finite, "
+                          "non-negative weights for train, valid, test, e.g. '969, 30, 1'")
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return (parts[0] / total, parts[1] / total, parts[2] / total)

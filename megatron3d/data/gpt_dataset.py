@@ -85,11 +85,19 @@ class GPTDataset:
                             f"for, but the dataset was built for {len(self)} samples; build it "
                             "for more samples (--train-samples/--train-iters, --eval-iters)")
         out = gather_samples(self.index, self._read, ids, self.seq_length)
-        if self.vocab_size is not None and out.size and out.max() >= self.vocab_size:
-            raise DataError(f"{self.indexed.prefix}: token id {int(out.max())} is outside the "
-                            f"vocabulary of {self.vocab_size}; the data was made with another "
-                            "tokenizer: check --tokenizer-type/--tokenizer-model")
+        if self.vocab_size is not None and out.size:
+            self._check_vocabulary(int(out.min()), int(out.max()))
         return out
+
+    def _check_vocabulary(self, low: int, high: int) -> None:
+        """An id outside [0, vocab) would crash the embedding with a traceback; the batch's
+        min and max on the host are O(batch), where scanning the whole dataset is not."""
+        if low >= 0 and high < self.vocab_size:
+            return
+        raise DataError(f"token id {low if low < 0 else high} is outside the vocabulary of "
+                        f"{self.vocab_size} in {self.indexed.prefix}: the data was tokenized "
+                        "with another tokenizer; give the --tokenizer-type (and files) it was "
+                        "made with, or re-run tools/preprocess_data.py with this one")
 
     def _read(self, doc: int, start: int, stop: int | None) -> np.ndarray:
         length = None if stop is None else stop - start

@@ -110,13 +110,30 @@ def test_out_of_range_and_foreign_tokens_are_errors(data):
         strict.samples(0, 10)
 
 
+def test_negative_tokens_are_errors(tmp_path):
+    data = make_data(tmp_path / "neg", [SEQ + 1] * 4)  # ids 0..3008, all below the vocabulary
+    strict = GPTDataset(data, range(len(data)), name="train", seq_length=SEQ, num_samples=4,
+                        seed=1, cache=IndexCache(None), vocab_size=10_000)
+    strict.samples(0, 4)
+    with IndexedDatasetBuilder(str(tmp_path / "neg"), np.int32) as builder:
+        for _ in range(4):
+            builder.add_document(np.arange(SEQ + 1) - 3)
+        builder.finalize()
+    data = IndexedDataset(str(tmp_path / "neg"))
+    strict = GPTDataset(data, range(len(data)), name="train", seq_length=SEQ, num_samples=4,
+                        seed=1, cache=IndexCache(None), vocab_size=10_000)
+    with pytest.raises(DataError, match="token id -3 is outside the vocabulary of 10000"):
+        strict.samples(0, 4)
+
+
 def test_split_parsing_and_sizes():
     assert split_ranges(1000, parse_split("949,50,1")) == [range(0, 949), range(949, 999),
                                                             range(999, 1000)]
     assert [len(r) for r in split_ranges(1000, parse_split("969, 30, 1"))] == [969, 30, 1]
     assert [len(r) for r in split_ranges(10, parse_split("8/2"))] == [8, 2, 0]
     assert [len(r) for r in split_ranges(7, parse_split("1,1,1"))] == [2, 3, 2]
-    for bad in ("", "a,b", "1,2,3,4", "-1,2", "0,0"):
+    for bad in ("", "a,b", "1,2,3,4", "-1,2", "0,0", "nan,1,1", "inf,1,1", "1,-inf", "1e400",
+                "1e308,1e308"):
         with pytest.raises(ConfigError, match="--split"):
             parse_split(bad)
 

@@ -52,6 +52,20 @@ def test_pretrain_on_indexed_data_with_eod_mask(dataset, capsys):
     assert "validation loss at iteration 10" in out
 
 
+@pytest.mark.parametrize("foreign", [VOCAB + 400, -3])
+def test_token_outside_the_vocabulary_exits_2_with_one_line(tmp_path, capsys, foreign):
+    """Data made with another tokenizer stops at its first batch, not in the embedding."""
+    prefix = str(tmp_path / "foreign_text_document")
+    with IndexedDatasetBuilder(prefix, np.int32) as builder:
+        for _ in range(40):
+            builder.add_document([1, 2, 3, foreign, 5, 6, 7, VOCAB])
+        builder.finalize()
+    assert pretrain_gpt.main(_argv(prefix, str(tmp_path / "cache"), 3)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"token id {foreign} is outside the vocabulary of {VOCAB + 1} in {prefix}" in err
+
+
 def test_dry_run_reports_the_sources(dataset, capsys):
     prefix, cache = dataset
     assert pretrain_gpt.main(_argv(prefix, cache, 10, "--dry-run-data")) == 0

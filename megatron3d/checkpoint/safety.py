@@ -1,0 +1,89 @@
+"""Checks that keep a run from losing or mixing up checkpoints, made before any work.
+
+At start, every rank checks ``--save`` and ``--load``, so a bad path stops the run with one
+line instead of failing at the first save, hours in. A ``--save`` directory must be
+writable, and one that already holds a series must be the one this run resumes from: a
+requeued job that forgot ``--load`` would otherwise rewrite ``iter_0000001`` and rewind
+``latest``. ``--load`` takes the checkpoint root; an iteration directory or a file there
+would otherwise look empty and silently start from scratch. At load, each rank file must
+belong to the checkpoint its ``meta.json`` describes (a file copied in from another
+iteration or layout would install wrong state).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron3d.checkpoint import io
+from megatron3d.config import CheckpointConfig
+from megatron3d.errors import CheckpointError, ConfigError
+
+
+def check_paths(cfg: CheckpointConfig) -> None:
+    """Check ``--load`` and ``--save``, reading only. Called on every rank before the process
+    group exists (the hang dumps go under ``--save`` from then on); the directory is shared
+    by all nodes, so every rank reaches the same verdict."""
+    if cfg.load:
+        check_load_root(Path(cfg.load))
+    if cfg.save:
+        check_save_dir(Path(cfg.save))
+        check_series(Path(cfg.save), cfg.load, cfg.finetune)
+
+
+def check_load_root(root: Path) -> None:
+    """``--load`` names the directory holding ``latest``, never one checkpoint or a file."""
+    if root.is_file():
+        what = "a file"
+    elif root.is_dir() and not (root / io.LATEST).exists() and (
+            (root / "meta.json").exists() or any(root.glob("rank_*.pt"))):
+        what = "one checkpoint"
+    else:
+        return
+    hint = next((p for p in root.parents if (p / io.LATEST).is_file()), root.parent)
+    raise ConfigError(f"--load takes the checkpoint root, the directory holding "
+                      f"'{io.LATEST}', not {what} ({root}): pass --load {hint}")
+
+
+def check_save_dir(root: Path) -> None:
+    """``--save`` must be a writable directory, or creatable under a writable one."""
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == root else f"is under the file {existing}"
+        raise ConfigError(f"--save must be a directory, but it {where} ({root}): choose a "
+                          "directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == root else f"cannot be created in {existing}"
+        raise ConfigError(f"--save {what} ({root}): fix its permissions or choose a "
+                          "writable directory")
+
+
+def check_series(save: Path, load: str | None, finetune: bool) -> None:
+    """A ``--save`` directory that already holds checkpoints is written only by the run
+    resuming from it (``--load`` the same directory, without ``--finetune``): anything else
+    would restart the iteration count there and rewind ``latest``."""
+    if not io.has_checkpoints(save):
+        return
+    same = bool(load) and Path(load).resolve() == save.resolve()
+    if same and not finetune:
+        return
+    why = "--finetune restarts at iteration 0" if same else "this run does not resume from them"
+    raise ConfigError(f"--save already holds checkpoints and {why} ({save}): pass --load "
+                      f"{save} to resume, or choose an empty --save directory")
+
+
+def check_rank_file(directory: Path, rank: int, payload: Any, meta: dict[str, Any]) -> None:
+    """A rank file must be this checkpoint's file of this rank. Files written before rank
+    files carried their iteration, rank and layout are taken as they are."""
+    path = io.rank_file(directory, rank)
+    if not isinstance(payload, dict) or not {"chunks", "rng"} <= payload.keys():
+        raise CheckpointError(f"{path} is not a megatron3d rank file (it holds "
+                              f"{type(payload).__name__} without 'chunks' and 'rng'): load "
+                              "an earlier checkpoint")
+    expected = {"iteration": meta["iteration"], "rank": rank, "layout": meta["layout"]}
+    for key, value in expected.items():
+        if key in payload and payload[key] != value:
+            raise CheckpointError(f"{path} belongs to another checkpoint ({key} "
+                                  f"{payload[key]!r}, meta.json says {value!r}): restore this "
+                                  "checkpoint's own rank files, or load an earlier checkpoint")
