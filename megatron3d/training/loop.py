@@ -127,7 +127,9 @@ class Trainer:
                     logger.info("stopping at iteration %d (signal, --exit-interval or "
                                 "--exit-duration-in-mins)", self.progress.iteration)
                     break
-        self._save()
+            # Still under the signal handlers: the launcher forwards the preemption SIGTERM a
+            # moment after the job's own, and it must not kill the final save half-way.
+            self._save()
         self.writer.flush()
         return self.progress
 

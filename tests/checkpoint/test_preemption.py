@@ -343,6 +343,33 @@ def test_sigkill_at_random_moments_leaves_a_loadable_latest(tmp_path):
         assert_complete(save, last + 1)
 
 
+_SIGTERM_DURING_SAVE = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+from megatron3d.checkpoint import manager
+import pretrain_gpt
+real = manager.save
+def save(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's forwarded SIGTERM, mid-save
+    return real(*args, **kwargs)
+manager.save = save
+sys.exit(pretrain_gpt.main(sys.argv[1:]))
+"""
+
+
+def test_a_second_sigterm_does_not_kill_the_final_save(tmp_path):
+    """scancel signals the workers and torchrun, and torchrun forwards its SIGTERM a moment
+    later: one arriving during the final save must leave it to finish."""
+    save = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, "-c", _SIGTERM_DURING_SAVE,
+                           *argv(100, "--save", str(save), "--exit-interval", "2")],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert latest(save) == 2
+    assert_complete(save, 2)
+
+
 # 4. --exit-interval and --exit-duration-in-mins.
 
 def test_exit_interval_saves_and_exits(tmp_path):
