@@ -11,7 +11,7 @@ becomes a reduce-scatter plus an all-gather moving the same volume over a ring, 
 sequence-sharded norm and bias gradients are all-reduced once per step.
 
 Each TP rank is a gloo process on the CPU (the byte counts do not depend on the device). A
-``CommCounter`` is attached to the parallel state before the model is built; forward runs
+``CommCounter`` observes every collective from before the model is built; forward runs
 layer by layer and gradient hooks on each layer's output mark where backward is, so each
 collective is filed under the layer that issued it. Bytes are what each rank contributes
 (its input tensor); "wire" estimates what a ring algorithm sends per rank.
@@ -40,7 +40,7 @@ from megatron3d.data.mock import MockGPTDataset  # noqa: E402
 from megatron3d.data.sampler import micro_batches  # noqa: E402
 from megatron3d.model.context import LayerContext  # noqa: E402
 from megatron3d.model.gpt import build_gpt, lm_loss  # noqa: E402
-from megatron3d.mpu import comm  # noqa: E402
+from megatron3d.mpu import comm, traffic  # noqa: E402
 from megatron3d.mpu.meta import get_meta  # noqa: E402
 from megatron3d.mpu.random import RNGStreams  # noqa: E402
 from megatron3d.mpu.state import ParallelState  # noqa: E402
@@ -62,7 +62,7 @@ Tally = dict[Key, tuple[int, int]]  # -> (calls, bytes)
 FP32_BYTES = 4
 
 
-class PhaseCounter(comm.CommCounter):
+class PhaseCounter(traffic.CommCounter):
     """A CommCounter that also files every collective under the phase the driver last set."""
 
     def __init__(self) -> None:
@@ -70,8 +70,8 @@ class PhaseCounter(comm.CommCounter):
         self.phase = ("build", "-")
         self.tally: defaultdict[Key, list[int]] = defaultdict(lambda: [0, 0])
 
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
-        super().add(kind, tensor)
+    def __call__(self, kind: str, tensor: torch.Tensor, *where: object) -> None:
+        super().__call__(kind, tensor, *where)
         entry = self.tally[(*self.phase, kind)]
         entry[0] += 1
         entry[1] += tensor.numel() * tensor.element_size()
@@ -93,7 +93,12 @@ def _model_config(a: argparse.Namespace) -> ModelConfig:
 def _one_micro_batch(a: argparse.Namespace, sequence_parallel: bool) -> Tally:
     """Build the model on a counted state, run one forward+backward, and the SP grad sync."""
     counter = PhaseCounter()
-    state = ParallelState.build(a.tp_size, 1).counted(counter)  # before the model exists
+    with traffic.observing(counter):  # attached before the model exists
+        return _count(a, sequence_parallel, counter)
+
+
+def _count(a: argparse.Namespace, sequence_parallel: bool, counter: PhaseCounter) -> Tally:
+    state = ParallelState.build(a.tp_size, 1)
     dev = torch.device("cpu")
     rng = RNGStreams.create(a.seed, state.tp.rank, state.pp.rank, dev)
     ctx = LayerContext(_model_config(a), state.tp, a.seed, torch.float32, dev, rng,

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F  # noqa: N812
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -80,14 +81,19 @@ class TorchCounter:
         return counted
 
 
+def plain_gpt(cfg: TrainConfig) -> nn.Module:
+    """``build_gpt``'s whole fp32 model on the CPU, in training mode, for the torch peers:
+    the same initial weights as megatron3d's (initialisation depends on seed and names)."""
+    ctx = LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, torch.float32,
+                       torch.device("cpu"))
+    return build_gpt(ctx).train()
+
+
 class FsdpRun:
     """FSDP2 around ``build_gpt``'s model on a CPU mesh of every rank, AdamW."""
 
     def __init__(self, cfg: TrainConfig, dp: int) -> None:
-        ctx = LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, torch.float32,
-                           torch.device("cpu"))
-        model = build_gpt(ctx)
-        model.train()
+        model = plain_gpt(cfg)
         no_decay = {name for name, p in model.named_parameters()
                     if get_meta(p).no_weight_decay}
         mesh = init_device_mesh("cpu", (dp,))

@@ -19,14 +19,12 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.zero_fsdp import FsdpRun, TorchCounter
+from benchmarks.zero_fsdp import FsdpRun, TorchCounter, plain_gpt
 from megatron3d import device as devices
 from megatron3d.arguments import parse_args
 from megatron3d.config import TrainConfig
-from megatron3d.model.context import LayerContext
-from megatron3d.model.gpt import build_gpt
 from megatron3d.mpu.meta import get_meta
-from megatron3d.mpu.state import AxisGroup, ParallelState
+from megatron3d.mpu.state import ParallelState
 from megatron3d.mpu.traffic import CommCounter, observing
 from megatron3d.training import memory
 from megatron3d.training.build import build_trainer
@@ -107,10 +105,7 @@ class TorchRun:
     """DDP around ``build_gpt``'s model with AdamW, or with ZeroRedundancyOptimizer(AdamW)."""
 
     def __init__(self, cfg: TrainConfig, zero: bool) -> None:
-        ctx = LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, torch.float32,
-                           torch.device("cpu"))
-        model = build_gpt(ctx)
-        model.train()
+        model = plain_gpt(cfg)
         opt = cfg.optimizer
         groups = [{"params": [p for p in model.parameters() if not get_meta(p).no_weight_decay],
                    "weight_decay": opt.weight_decay},

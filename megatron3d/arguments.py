@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron3d.config import SECTIONS, Range, TrainConfig
+from megatron3d.config import SECTIONS, Range, TrainConfig, flat_fields
 from megatron3d.errors import ConfigError
 
 CONFIG_FLAG = "--config"
@@ -229,13 +229,8 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     which the YAML ``--config`` file accepts, so ``config_from_dict(config_to_dict(cfg))``
     round-trips; tuples become lists so ``yaml.safe_dump`` can write them.
     """
-    values: dict[str, Any] = {}
-    for section in SECTIONS:
-        part = getattr(cfg, section)
-        for field in dataclasses.fields(part):
-            value = getattr(part, field.name)
-            values[field.name] = list(value) if isinstance(value, tuple) else value
-    return values
+    return {name: list(value) if isinstance(value, tuple) else value
+            for name, value in flat_fields(cfg).items()}
 
 
 def format_config(cfg: TrainConfig) -> str:

@@ -11,8 +11,8 @@ never stored twice. Cross-field checks live in ``validation.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 PositionEmbeddingType = Literal["learned_absolute", "rope", "alibi"]
 Normalization = Literal["layernorm", "rmsnorm"]
@@ -373,3 +373,9 @@ SECTIONS: dict[str, type] = {
     "resilience": ResilienceConfig,
 }
 """Section name -> dataclass, in the order flags are listed in ``--help``."""
+
+
+def flat_fields(cfg: TrainConfig) -> dict[str, Any]:
+    """Field name -> value over every section (field names are unique across sections)."""
+    return {f.name: getattr(getattr(cfg, section), f.name)
+            for section, cls in SECTIONS.items() for f in fields(cls)}

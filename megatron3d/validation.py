@@ -21,7 +21,7 @@ import math
 import re
 from typing import Any
 
-from megatron3d.config import SECTIONS, Range, TrainConfig
+from megatron3d.config import SECTIONS, Range, TrainConfig, flat_fields
 from megatron3d.errors import ConfigError
 from megatron3d.training.batch_schedule import BatchSchedule
 
@@ -44,15 +44,6 @@ def _error(what: str, values: dict[str, Any], fix: str) -> ConfigError:
     return ConfigError(f"{what} ({shown}): {fix}")
 
 
-def _flat(cfg: TrainConfig) -> dict[str, Any]:
-    """Field name -> value over every section (field names are unique across sections)."""
-    return {
-        field.name: getattr(getattr(cfg, section), field.name)
-        for section in SECTIONS
-        for field in dataclasses.fields(SECTIONS[section])
-    }
-
-
 def _help(name: str) -> str:
     for cls in SECTIONS.values():
         for field in dataclasses.fields(cls):
@@ -70,7 +61,7 @@ def resolved_global_batch_size(cfg: TrainConfig, world_size: int) -> int:
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Raise ``ConfigError`` for the first problem in ``cfg`` run on ``world_size`` ranks."""
-    values = _flat(cfg)
+    values = flat_fields(cfg)
     _check_required(values)
     _check_data(values)
     _check_ranges(cfg)

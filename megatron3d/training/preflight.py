@@ -9,13 +9,12 @@ naming the differing flags; no rank goes on alone.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from typing import Any
 
 import torch
 
-from megatron3d.config import TrainConfig
+from megatron3d.config import TrainConfig, flat_fields
 from megatron3d.errors import ConfigError
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
@@ -29,7 +28,7 @@ def check_same_config(cfg: TrainConfig, world: AxisGroup, device: torch.device) 
     A collective over ``world``: every rank must call it. Tensors live on ``device`` because
     NCCL only moves device tensors.
     """
-    values = _flat(cfg)
+    values = flat_fields(cfg)
     hashes = torch.tensor([[_hash(k, v) for k, v in values.items()]], dtype=torch.int64,
                           device=device)  # [1, K]
     counts = torch.tensor([hashes.shape[1], -hashes.shape[1]], device=device)  # [K, -K]
@@ -47,11 +46,6 @@ def check_same_config(cfg: TrainConfig, world: AxisGroup, device: torch.device) 
         raise ConfigError(f"ranks were launched with different flags: "
                           f"{'; '.join(wrong[:_SHOWN])}{more}: launch every rank with the "
                           "same command")
-
-
-def _flat(cfg: TrainConfig) -> dict[str, Any]:
-    """``{field: value}`` over every section (field names are unique across sections)."""
-    return {k: v for section in dataclasses.asdict(cfg).values() for k, v in section.items()}
 
 
 def _hash(name: str, value: Any) -> int:

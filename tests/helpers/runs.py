@@ -3,6 +3,7 @@ what the equivalence tests compare: per-step losses and grad norms, final logica
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,12 @@ def train(argv: list[str]) -> RunResult:
     eval_loss = evaluate(trainer.engine, trainer.valid_batches, 1, state.dp)
     return RunResult([x.item() for x in losses], [x.item() for x in norms], params, eval_loss,
                      last_stage=state.is_last_stage)
+
+
+@functools.cache
+def reference_run(argv: tuple[str, ...]) -> RunResult:
+    """``train_single``, computed once per command line (several tests compare with it)."""
+    return train_single(list(argv))
 
 
 def train_single(argv: list[str]) -> RunResult:

@@ -51,3 +51,9 @@ def train_argv(flavour: str = "gpt2", iters: int = 10, *extra: str) -> list[str]
             "--vocab-size", "203", "--make-vocab-size-divisible-by", "8",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
             "--eval-interval", "1000", "--eval-iters", "1", *FLAVOUR_FLAGS[flavour], *extra]
+
+
+def ramp_argv(flavour: str, iters: int, ramp: tuple[str, ...], *extra: str) -> list[str]:
+    """``train_argv`` whose global batch ramps: ``ramp`` is (G, START, INCR, SAMPLES)."""
+    return train_argv(flavour, iters, "--global-batch-size", ramp[0], "--rampup-batch-size",
+                      *ramp[1:], *extra)

@@ -4,13 +4,11 @@ clipping and a batch-size rampup."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import assert_same_run, merge_ranks, train, train_single
-from tests.helpers.tiny import train_argv
+from tests.helpers.runs import assert_same_run, merge_ranks, reference_run, train
+from tests.helpers.tiny import ramp_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
 
 # The global batch ramps over at least two increments in the first steps: 4 -> 8 -> 12 -> 16
@@ -25,13 +23,7 @@ BUCKETS = ("--reduce-bucket-size", "2000")
 
 
 def _argv(flavour: str, ramp: tuple[str, ...], *extra: str) -> list[str]:
-    return train_argv(flavour, STEPS, *COMMON, "--global-batch-size", ramp[0],
-                      "--rampup-batch-size", *ramp[1:], *extra)
-
-
-@functools.cache
-def _reference(flavour: str, ramp: tuple[str, ...]):
-    return train_single(_argv(flavour, ramp))
+    return ramp_argv(flavour, STEPS, ramp, *COMMON, *extra)
 
 
 VARIANTS = {"ZeRO-0": ("--zero-stage", "0"), "ZeRO-1": ("--zero-stage", "1"),
@@ -57,7 +49,7 @@ def test_dp_and_zero1_match_single_process(tp, pp, dp, flavour):
     ramp = RAMPS[dp]
     per_rank = run_distributed(_layout_runs, tp * pp * dp, tp, pp, flavour, ramp,
                                timeout_s=300)
-    reference = _reference(flavour, ramp)
+    reference = reference_run(tuple(_argv(flavour, ramp)))
     for index, variant in enumerate(VARIANTS):
         merged = merge_ranks([results[index] for results in per_rank])
         try:

@@ -3,15 +3,13 @@ final parameters; tied embedding copies stay bitwise identical."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 from megatron3d.model.transformer import TransformerLayer
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import assert_same_run, build, merge_ranks, train, train_single
+from tests.helpers.runs import assert_same_run, build, merge_ranks, reference_run, train
 from tests.helpers.tiny import train_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
 
@@ -23,9 +21,8 @@ def _argv(flavour: str, layers: int, *extra: str, steps: int = STEPS) -> list[st
     return train_argv(flavour, steps, *COMMON, "--num-layers", str(layers), *extra)
 
 
-@functools.cache
 def _reference(flavour: str, layers: int, extra: tuple[str, ...] = ()):
-    return train_single(_argv(flavour, layers, *extra))
+    return reference_run(tuple(_argv(flavour, layers, *extra)))
 
 
 def _runs(cases: list[tuple[str, int, tuple[str, ...]]]) -> list:

@@ -37,8 +37,8 @@ def _scenarios() -> dict[str, str | None]:
     def check(*extra: str) -> str | None:
         return _error(preflight.check_same_config, parse_args([*argv, *extra]), world, CPU)
 
-    fields = preflight._flat(parse_args(argv))
-    with mock.patch.object(preflight, "_flat",  # rank 1 runs code that knows one more flag
+    fields = preflight.flat_fields(parse_args(argv))
+    with mock.patch.object(preflight, "flat_fields",  # rank 1 runs code that knows one more flag
                            return_value={**fields, "new_flag": 1} if rank == 1 else fields):
         newer_code = check()
     many = ("--seed", "7", "--lr", "1e-3", "--min-lr", "0", "--clip-grad", "2",

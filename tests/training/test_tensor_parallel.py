@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import assert_same_run, train, train_single
+from tests.helpers.runs import assert_same_run, reference_run, train, train_single
 from tests.helpers.tiny import train_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
 
@@ -26,9 +24,8 @@ def _all_flavours(tp: int, extra: tuple[str, ...]) -> dict:
     return {f: train(_argv(f, tp, *extra)) for f in FLAVOURS}
 
 
-@functools.cache
 def _reference(flavour: str, extra: tuple[str, ...] = ()):
-    return train_single(_argv(flavour, 1, *extra))
+    return reference_run(tuple(_argv(flavour, 1, *extra)))
 
 
 @pytest.mark.parametrize(("tp", "extra"), [(2, ()), (4, ()), (2, ("--sequence-parallel",)),

@@ -6,13 +6,11 @@ parallelism)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import assert_same_run, merge_ranks, train, train_single
-from tests.helpers.tiny import train_argv
+from tests.helpers.runs import assert_same_run, merge_ranks, reference_run, train
+from tests.helpers.tiny import ramp_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
 
 # Micro-batch 1: the global batch ramps 8 -> 12 -> 16 (DP 2) or 16 -> 24 -> 32 (DP 4), so
@@ -40,13 +38,7 @@ LAYOUTS = [
 
 
 def _argv(flavour: str, ramp: tuple[str, ...], *extra: str) -> list[str]:
-    return train_argv(flavour, STEPS, *COMMON, "--global-batch-size", ramp[0],
-                      "--rampup-batch-size", *ramp[1:], *extra)
-
-
-@functools.cache
-def _reference(flavour: str, ramp: tuple[str, ...]):
-    return train_single(_argv(flavour, ramp))
+    return ramp_argv(flavour, STEPS, ramp, *COMMON, *extra)
 
 
 def _runs(tp: int, pp: int, flavour: str, ramp: tuple[str, ...], variants: list) -> list:
@@ -61,7 +53,7 @@ def test_zero3_matches_single_process(tp, pp, dp, flavour, variants):
     ramp = RAMPS[dp]
     per_rank = run_distributed(_runs, tp * pp * dp, tp, pp, flavour, ramp, variants,
                                timeout_s=400)
-    reference = _reference(flavour, ramp)
+    reference = reference_run(tuple(_argv(flavour, ramp)))
     for index, variant in enumerate(variants):
         merged = merge_ranks([results[index] for results in per_rank])
         try:
