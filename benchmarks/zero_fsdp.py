@@ -89,6 +89,14 @@ def plain_gpt(cfg: TrainConfig) -> nn.Module:
     return build_gpt(ctx).train()
 
 
+def clip_and_step(model: nn.Module, opt: torch.optim.Optimizer, clip: float, lr: float) -> None:
+    """The torch peers' optimizer step: global-norm clipping, then AdamW at ``lr``."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+
+
 class FsdpRun:
     """FSDP2 around ``build_gpt``'s model on a CPU mesh of every rank, AdamW."""
 
@@ -121,10 +129,7 @@ class FsdpRun:
             loss = F.cross_entropy(logits.float().flatten(0, 1), b.labels.t().flatten())
             (loss / len(batches)).backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        self.opt.step()
+        clip_and_step(self.model, self.opt, self.clip, lr)
         return total / len(batches)
 
     def memory(self, dp: int) -> tuple[memory.MemoryBytes, memory.MemoryBytes]:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.zero_fsdp import FsdpRun, TorchCounter, plain_gpt
+from benchmarks.zero_fsdp import FsdpRun, TorchCounter, clip_and_step, plain_gpt
 from megatron3d import device as devices
 from megatron3d.arguments import parse_args
 from megatron3d.config import TrainConfig
@@ -132,10 +132,7 @@ class TorchRun:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), b.labels.t().flatten())
                 (loss / len(batches)).backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.clip, foreach=True)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        self.opt.step()
+        clip_and_step(self.ddp, self.opt, self.clip, lr)
         return total / len(batches)
 
     def memory(self, dp: int) -> tuple[memory.MemoryBytes, memory.MemoryBytes]:

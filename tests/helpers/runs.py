@@ -100,3 +100,15 @@ def assert_same_run(actual: RunResult, expected: RunResult, tol: dict) -> None:
     for name, value in expected.params.items():
         torch.testing.assert_close(actual.params[name], value, **tol,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_each_variant(per_rank: list[list[RunResult]], reference: RunResult,
+                        labels: list[str], tol: dict) -> None:
+    """Every rank ran the same variants in order; each, merged over ranks, must match
+    ``reference`` (the failure names the variant by its label)."""
+    for index, label in enumerate(labels):
+        merged = merge_ranks([results[index] for results in per_rank])
+        try:
+            assert_same_run(merged, reference, tol)
+        except AssertionError as err:
+            raise AssertionError(f"{label}: {err}") from err

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import assert_same_run, merge_ranks, reference_run, train
+from tests.helpers.runs import assert_each_variant, reference_run, train
 from tests.helpers.tiny import ramp_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
 
@@ -50,9 +50,5 @@ def test_dp_and_zero1_match_single_process(tp, pp, dp, flavour):
     per_rank = run_distributed(_layout_runs, tp * pp * dp, tp, pp, flavour, ramp,
                                timeout_s=300)
     reference = reference_run(tuple(_argv(flavour, ramp)))
-    for index, variant in enumerate(VARIANTS):
-        merged = merge_ranks([results[index] for results in per_rank])
-        try:
-            assert_same_run(merged, reference, FP32)
-        except AssertionError as err:
-            raise AssertionError(f"{variant}, TP={tp} PP={pp} DP={dp}: {err}") from err
+    assert_each_variant(per_rank, reference, [f"{variant}, TP={tp} PP={pp} DP={dp}"
+                                              for variant in VARIANTS], FP32)

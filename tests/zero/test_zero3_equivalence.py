@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.runs import assert_same_run, merge_ranks, reference_run, train
+from tests.helpers.runs import assert_each_variant, reference_run, train
 from tests.helpers.tiny import ramp_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
 
@@ -54,9 +54,5 @@ def test_zero3_matches_single_process(tp, pp, dp, flavour, variants):
     per_rank = run_distributed(_runs, tp * pp * dp, tp, pp, flavour, ramp, variants,
                                timeout_s=400)
     reference = reference_run(tuple(_argv(flavour, ramp)))
-    for index, variant in enumerate(variants):
-        merged = merge_ranks([results[index] for results in per_rank])
-        try:
-            assert_same_run(merged, reference, FP32)
-        except AssertionError as err:
-            raise AssertionError(f"ZeRO-3 {variant}, TP={tp} PP={pp} DP={dp}: {err}") from err
+    assert_each_variant(per_rank, reference, [f"ZeRO-3 {variant}, TP={tp} PP={pp} DP={dp}"
+                                              for variant in variants], FP32)
