@@ -23,9 +23,11 @@ from megatron3d.log import get_logger, setup_logging
 from megatron3d.mpu import traffic
 from megatron3d.mpu.state import ParallelState
 from megatron3d.mpu.topology import Topology
+from megatron3d.training import memory
 from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.build import build_trainer, run_length, valid_samples
 from megatron3d.training.data_setup import dry_run
+from megatron3d.training.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.training.flight_recorder import FlightRecorder
 from megatron3d.training.watchdog import Watchdog
 from megatron3d.validation import validate
@@ -48,17 +50,19 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.data.dry_run_data:
             sys.stdout.write(_dry_run(cfg, env.world_size) + "\n")
             return 0
+        memory.check_fits(cfg, env.world_size, devices.memory_capacity(env))
         check_paths(cfg.checkpoint)  # before the hang dumps go under --save
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
     dev = devices.set_device(env.local_rank)
-    devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes)
+    store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes)
+    board = FailureBoard(store, env.rank)
     recorder = FlightRecorder(cfg.resilience.flight_recorder_size)
     with traffic.observing(recorder):
         state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                     cfg.parallel.pipeline_model_parallel_size)
-        watchdog = Watchdog.for_run(cfg, state, recorder).start()
+        watchdog = Watchdog.for_run(cfg, state, recorder, board).start()
         try:
             return _train(cfg, state, dev, started, watchdog)
         finally:
@@ -68,28 +72,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: float,
            watchdog: Watchdog) -> int:
-    """Build and run; bad input exits 2, a run that went wrong (non-finite gradients or
-    weights) exits 1, each with one line; anything unexpected leaves a hang dump."""
+    """Build and run. Bad input met anywhere (set-up, a batch, a save) exits 2 and a run that
+    went wrong (non-finite gradients or weights) exits 1, each with one line, and the peers
+    are told to stop; a peer's failure exits 2 with one line saying so; anything unexpected
+    leaves a hang dump and its traceback."""
     try:
         setup_logging(state.world_rank, log_rank=state.world_size - 1)
         logger.info(format_config(cfg))
         logger.info(state.topology.table())
         logger.info("device: %s", devices.describe(dev))
         trainer = build_trainer(cfg, state, dev, started)
-    except Megatron3dError as err:  # e.g. a pipeline partition that leaves a stage empty
-        sys.stderr.write(f"error: {err}\n")
-        return 2
-    trainer.engine.observers.append(watchdog.recorder)
-    trainer.heartbeat = watchdog
-    try:
+        trainer.engine.observers.append(watchdog.recorder)
+        trainer.heartbeat = watchdog
         trainer.run()
-    except TrainingError as err:  # the run went wrong: non-finite gradients or weights
+    except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
-        return 1
-    except Megatron3dError as err:  # bad input met during training (data, a --save path)
-        sys.stderr.write(f"error: {err}\n")
-        return 2
-    except Exception as exc:  # e.g. a peer died inside a collective: say where this rank was
+        sys.stderr.flush()
+        watchdog.board.post()
+        return 1 if isinstance(err, TrainingError) else 2
+    except Exception as exc:  # a peer failed, or died, inside a collective
+        if watchdog.board.stop_for_peer():
+            return PEER_EXIT_CODE
         if not watchdog.fired:
             first = (str(exc).splitlines() or [""])[0][:160]
             path = watchdog.dump(f"exception: {type(exc).__name__}: {first}")

@@ -52,6 +52,10 @@ FRACTION = Range(0, 1)
 SIZE = Range(1, 2**20)
 """Tensor sizes (sequence, hidden, batch): 2**20 is far beyond any run, while a per-head
 [s, s] attention mask or a [b, s, h] activation of that size already fills a device."""
+# Counts far beyond any run (a typo of a few extra digits stops at once), small enough that
+# samples and tokens stay exact in int64: 2**32 steps of at most 2**24 samples; int32 ids.
+LAYERS, VOCABULARY, BATCH = Range(1, 2**16), Range(1, 2**31 - 1), Range(1, 2**24)
+ITERATIONS, SAMPLES = Range(1, 2**32), Range(1, 2**40)
 SEED = Range(0, 2**32, high_open=True)
 """A 32-bit seed: torch and numpy take it with the per-stage and TP offsets added."""
 
@@ -67,7 +71,7 @@ def _opt(default, help: str, *, range: Range | None = None,  # noqa: A002 - argp
 class ModelConfig:
     """The GPT family: GPT-2 by default, BLOOM and Llama-style through flags."""
 
-    num_layers: int = _opt(None, "Number of transformer blocks.", range=AT_LEAST_ONE)
+    num_layers: int = _opt(None, "Number of transformer blocks.", range=LAYERS)
     hidden_size: int = _opt(None, "Transformer hidden size h.", range=SIZE)
     num_attention_heads: int = _opt(
         None, "Attention heads; must divide hidden size.", range=AT_LEAST_ONE)
@@ -78,7 +82,7 @@ class ModelConfig:
     max_position_embeddings: int | None = _opt(
         None, "Learned position table size; default --seq-length.", range=SIZE)
     vocab_size: int | None = _opt(
-        None, "Logical vocabulary size (the null/mock tokenizer's size).", range=AT_LEAST_ONE)
+        None, "Logical vocabulary size (the null/mock tokenizer's size).", range=VOCABULARY)
     make_vocab_size_divisible_by: int = _opt(
         128, "Pad the vocabulary to a multiple of this times the TP size.", range=AT_LEAST_ONE)
     position_embedding_type: PositionEmbeddingType = _opt(
@@ -137,13 +141,15 @@ class ParallelConfig:
     pp_partition_method: str = _opt(
         "parameters", "Pipeline partitioning: uniform, parameters or type:REGEX.")
     reduce_bucket_size: int = _opt(
-        500_000_000, "Elements per data-parallel gradient bucket (reduced as backward runs).")
+        500_000_000, "Elements per data-parallel gradient bucket (reduced as backward runs).",
+        range=Range(1, 2**40))
     pipeline_schedule: Literal["1f1b", "gpipe"] = _opt(
         "1f1b", "Pipeline schedule: 1f1b (at most PP micro-batches in flight) or gpipe.")
     sequence_parallel: bool = _opt(
         False, "Shard norms and dropout along the sequence inside TP groups (saves memory).")
     check_replicas_interval: int = _opt(
-        1000, "Check TP-replicated parameters are identical every N steps (0: only at start).")
+        1000, "Check TP-replicated parameters are identical every N steps (0: only at start).",
+        range=NON_NEGATIVE)
     print_topology: bool = _opt(False, "Print the rank/group table for this layout and exit.")
     overlap_param_gather: bool = _opt(
         False, "ZeRO-1: all-gather updated parameters asynchronously after the step, each "
@@ -189,16 +195,16 @@ class TrainingConfig:
     micro_batch_size: int = _opt(
         None, "Samples per micro-batch per data-parallel rank.", range=SIZE)
     global_batch_size: int | None = _opt(
-        None, "Samples per optimizer step; default micro batch size x DP size.", range=AT_LEAST_ONE)
+        None, "Samples per optimizer step; default micro batch size x DP size.", range=BATCH)
     rampup_batch_size: tuple[int, int, int] | None = _opt(
         None, "START INCR SAMPLES: grow the global batch from START by INCR over SAMPLES.",
         nargs=3)
     train_iters: int | None = _opt(
-        None, "Optimizer steps to run (or use --train-samples).", range=AT_LEAST_ONE)
+        None, "Optimizer steps to run (or use --train-samples).", range=ITERATIONS)
     train_samples: int | None = _opt(
-        None, "Samples to train on (or use --train-iters).", range=AT_LEAST_ONE)
-    eval_interval: int = _opt(1000, "Evaluate every this many iterations.", range=AT_LEAST_ONE)
-    eval_iters: int = _opt(100, "Global batches per evaluation.", range=NON_NEGATIVE)
+        None, "Samples to train on (or use --train-iters).", range=SAMPLES)
+    eval_interval: int = _opt(1000, "Evaluate every this many iterations.", range=ITERATIONS)
+    eval_iters: int = _opt(100, "Global batches per evaluation.", range=Range(0, 2**20))
     seed: int = _opt(1234, "Seed for initialisation, data and dropout.", range=SEED)
 
 
@@ -222,14 +228,14 @@ class LRScheduleConfig:
     """Warmup then decay, measured in samples (iteration flags are converted)."""
 
     lr_decay_style: LRDecayStyle = _opt("linear", "constant, linear or cosine.")
-    lr_warmup_iters: int = _opt(0, "Warmup length in iterations.", range=NON_NEGATIVE)
-    lr_warmup_samples: int = _opt(0, "Warmup length in samples.", range=NON_NEGATIVE)
+    lr_warmup_iters: int = _opt(0, "Warmup length in iterations.", range=Range(0, 2**32))
+    lr_warmup_samples: int = _opt(0, "Warmup length in samples.", range=Range(0, 2**40))
     lr_warmup_fraction: float | None = _opt(
         None, "Warmup as a fraction of the decay length.", range=FRACTION)
     lr_decay_iters: int | None = _opt(
-        None, "Decay length in iterations; default the run.", range=AT_LEAST_ONE)
+        None, "Decay length in iterations; default the run.", range=ITERATIONS)
     lr_decay_samples: int | None = _opt(
-        None, "Decay length in samples; default the run.", range=AT_LEAST_ONE)
+        None, "Decay length in samples; default the run.", range=SAMPLES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,8 +310,15 @@ class CheckpointConfig:
     """Saving, resuming and stopping early (preemption, time limits)."""
 
     save: str | None = _opt(None, "Directory to save checkpoints in (shared by all nodes).")
-    save_interval: int | None = _opt(None, "Save every this many iterations (and at the end).")
-    keep_last_n: int | None = _opt(None, "Keep only the newest N checkpoints.")
+    save_interval: int | None = _opt(
+        None, "Save every this many iterations (and at the end).", range=ITERATIONS)
+    keep_last_n: int | None = _opt(
+        None, "Keep only the newest N checkpoints of this run's series (never another's).",
+        range=AT_LEAST_ONE)
+    new_series: bool = _opt(
+        False, "Let --save hold another run's checkpoints: this run starts a new series there "
+        "and 'latest' follows it; the other checkpoints stay, except one at an iteration this "
+        "run saves, which it replaces.")
     load: str | None = _opt(
         None, "Resume from the newest checkpoint here; an empty or missing directory starts "
         "from scratch, so a requeued job can rerun the same command.")
@@ -313,9 +326,10 @@ class CheckpointConfig:
                           "from zero.")
     use_checkpoint_args: bool = _opt(
         False, "Take the model flags from the checkpoint in --load.")
-    exit_interval: int | None = _opt(None, "Save and stop at the first iteration divisible by N.")
+    exit_interval: int | None = _opt(
+        None, "Save and stop at the first iteration divisible by N.", range=ITERATIONS)
     exit_duration_in_mins: float | None = _opt(
-        None, "Save and stop once training has run this many minutes.")
+        None, "Save and stop once training has run this many minutes.", range=POSITIVE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -334,7 +348,7 @@ class ResilienceConfig:
         "without --save. SIGUSR2 writes a dump there without stopping the run.")
     flight_recorder_size: int = _opt(
         2048, "Collective and point-to-point operations each rank remembers for hang dumps.",
-        range=NON_NEGATIVE)
+        range=Range(0, 2**24))
     distributed_timeout_minutes: int = _opt(
         10, "Timeout of every collective in the process group; keep it above --hang-timeout "
         "so the watchdog reports a hang before the backend aborts.", range=AT_LEAST_ONE)

@@ -98,6 +98,16 @@ def allocated_bytes() -> int | None:
     return torch.cuda.memory_allocated() if accelerator_available() else None
 
 
+def memory_capacity(env: LaunchEnv) -> int:
+    """Bytes one rank can hold: its GPU's memory, or on CPU this machine's memory shared by
+    the ranks on it."""
+    if accelerator_available():
+        return torch.cuda.get_device_properties(env.local_rank).total_memory
+    shared = env.launched and "LOCAL_WORLD_SIZE" in os.environ
+    ranks_here = _env_int("LOCAL_WORLD_SIZE", 1) if shared else 1
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_here
+
+
 def describe(dev: torch.device) -> str:
     """One line naming the machine, printed by benchmarks next to their ratios."""
     if dev.type == "cuda":
@@ -105,16 +115,17 @@ def describe(dev: torch.device) -> str:
     return f"CPU x{os.cpu_count()} threads={torch.get_num_threads()} (torch {torch.__version__})"
 
 
-def init_process_group(env: LaunchEnv, timeout_minutes: float = 10.0) -> None:
-    """Join the job's process group; a plain one-process run gets a private in-memory store,
-    so the code path (groups, collectives) is the same as under torchrun. ``timeout_minutes``
-    bounds every collective (--distributed-timeout-minutes)."""
-    if dist.is_initialized():
-        return
+def init_process_group(env: LaunchEnv, timeout_minutes: float = 10.0) -> dist.Store:
+    """Join the job's process group and return its key-value store (the launcher's, under
+    torchrun), through which a failing rank tells the others to stop. A plain one-process run
+    gets a private in-memory store, so the code path (groups, collectives) is the same as under
+    torchrun. ``timeout_minutes`` bounds every collective (--distributed-timeout-minutes)."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    if env.launched:
-        dist.init_process_group(backend(), rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+    if not env.launched:
+        store = dist.HashStore()
     else:
-        dist.init_process_group(backend(), store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
+                                           timeout=timeout))
+    dist.init_process_group(backend(), store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=timeout)
+    return store

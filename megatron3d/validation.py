@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from megatron3d.config import SECTIONS, Range, TrainConfig, flat_fields
+from megatron3d.data.builder import parse_split
 from megatron3d.errors import ConfigError
 from megatron3d.training.batch_schedule import BatchSchedule
 
@@ -93,6 +94,7 @@ def _check_required(values: dict[str, Any]) -> None:
 
 
 def _check_data(values: dict[str, Any]) -> None:
+    parse_split(values["split"])  # its owner's check, before any process starts
     sources = {n: values[n] for n in ("mock_data", "data_path", "data_path_file") if values[n]}
     if len(sources) != 1:
         raise _error(
@@ -325,15 +327,12 @@ def _nearest_multiples(value: int, unit: int) -> str:
 
 
 def _check_checkpoint(values: dict[str, Any]) -> None:
-    needs = {"save_interval": "save", "keep_last_n": "save", "finetune": "load",
-             "use_checkpoint_args": "load"}
+    needs = {"save_interval": "save", "keep_last_n": "save", "new_series": "save",
+             "finetune": "load", "use_checkpoint_args": "load"}
     for name, needed in needs.items():
         if values[name] and not values[needed]:
             raise _error(f"{flag(name)} needs {flag(needed)}", {name: values[name]},
                          f"pass {flag(needed)} DIR or drop {flag(name)}")
-    for name in ("save_interval", "keep_last_n", "exit_interval", "exit_duration_in_mins"):
-        if values[name] is not None and values[name] <= 0:
-            raise _error("must be positive", {name: values[name]}, f"give {flag(name)} > 0")
 
 
 def _check_zero(cfg: TrainConfig) -> None:

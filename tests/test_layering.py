@@ -25,8 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config", "device", "errors", "log"},
     "checkpoint": {"mpu", "pipeline", "optim", "zero", "model", "data", "config", "device",
                    "errors", "log"},
-    # validation may ask the rampup schedule (pure math) whether a ramp is valid.
-    "validation": {"config", "errors", "training"},
+    # validation asks the owners of rules: the rampup schedule (pure math), the data split.
+    "validation": {"config", "errors", "training", "data"},
     "arguments": {"config", "errors"},
     "training": {"mpu", "pipeline", "optim", "zero", "model", "data", "checkpoint", "config",
                  "device", "kernels", "errors", "log"},

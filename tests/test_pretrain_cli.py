@@ -110,6 +110,10 @@ def test_bad_launcher_environment_exits_2(monkeypatch, capsys, env, named):
     (["--init-method-std=-inf"], "--init-method-std=-inf"),  # argparse: "-inf" alone is a flag
     (["--seed", str(2**70)], f"--seed={2**70}"),
     (["--seq-length", "50_000_000"], "--seq-length=50000000"),
+    (["--split", "nan,1,1"], "--split='nan,1,1'"),
+    (["--num-layers", "1000000"], "--num-layers=1000000"),
+    (["--train-iters", str(2**40)], f"--train-iters={2**40}"),
+    (["--num-layers", "64", "--hidden-size", "16384"], "the model does not fit: its parameters"),
 ])
 def test_non_finite_or_absurd_numbers_exit_2(monkeypatch, capsys, flags, named):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

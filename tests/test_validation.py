@@ -54,7 +54,12 @@ BAD = {
     "eod mask with mock data": ({"eod_mask_loss": True}, 1, ["--eod-mask-loss=True"]),
     "mock without vocab": ({"vocab_size": None}, 1, ["--vocab-size=None"]),
     # sizes and ranges
-    "zero layers": ({"num_layers": 0}, 1, ["--num-layers=0", "at least 1", ">= 1"]),
+    "zero layers": ({"num_layers": 0}, 1, ["--num-layers=0", "in [1, 65536]"]),
+    "huge layers": ({"num_layers": 10**6}, 1, ["--num-layers=1000000", "in [1, 65536]"]),
+    "huge run": ({"train_iters": 2**33}, 1, ["--train-iters=8589934592", "[1, 4294967296]"]),
+    "huge vocabulary": ({"vocab_size": 2**40}, 1, ["--vocab-size=1099511627776"]),
+    "huge batch": ({"global_batch_size": 2**30}, 1, ["--global-batch-size=1073741824"]),
+    "zero keep-last-n": ({"keep_last_n": 0, "save": "x"}, 1, ["--keep-last-n=0", "at least 1"]),
     "negative seq": ({"seq_length": -4}, 1, ["--seq-length=-4"]),
     "zero global batch": ({"global_batch_size": 0}, 1, ["--global-batch-size=0"]),
     "zero vocab": ({"vocab_size": 0}, 1, ["--vocab-size=0"]),

@@ -12,10 +12,12 @@ directory must be shared by all nodes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from megatron3d.errors import CheckpointError
 
 FORMAT_VERSION = 1
 LATEST = "latest"
+LEGACY_SERIES = ""  # the series of checkpoints written before meta.json named one
 # Rank files are read with torch's weights-only unpickler: tensors and plain Python data,
 # never arbitrary classes, so loading cannot run code. Checkpoints written before the numpy
 # RNG state was stored as plain data hold one uint32 numpy array; these let it through.
@@ -51,7 +54,13 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def write_rank(directory: Path, rank: int, payload: dict[str, Any]) -> None:
-    _atomic_write(rank_file(directory, rank), lambda f: torch.save(payload, f))
+    def write(f) -> None:
+        try:
+            torch.save(payload, f)
+        except RuntimeError as err:  # torch's zip writer reports a failed write (a full disk)
+            raise OSError(f"torch.save failed: {str(err).splitlines()[0]}") from None
+
+    _atomic_write(rank_file(directory, rank), write)
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
@@ -66,16 +75,42 @@ def publish(root: Path, iteration: int) -> None:
     _atomic_write(root / LATEST, lambda f: f.write(f"{iteration}\n".encode()))
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` (>= 1) checkpoints up to the one ``latest`` names; delete
-    the older ones. Called only after ``publish``, so ``latest`` is the newest known-good one and
-    always stays; directories past it (an unpublished save, a resumed run's abandoned future)
-    are left for the user. Ordered by iteration, not by name."""
+@contextlib.contextmanager
+def writing(root: Path) -> Iterator[None]:
+    """Turn a failed write under ``root`` (a full disk, a path that changed since the start)
+    into one ``CheckpointError`` line; what is already published is untouched."""
+    try:
+        yield
+    except OSError as err:
+        where = f" {err.filename}" if err.filename else ""
+        raise CheckpointError(f"cannot write the checkpoint under {root} ({err.strerror or err}"
+                              f"{where}): free space or fix the path, then resume with --load "
+                              f"{root}; the checkpoints already saved there are kept") from None
+
+
+def series_of(meta: dict[str, Any]) -> str:
+    return meta.get("series", LEGACY_SERIES)
+
+
+def prune(root: Path, keep_last: int, series: str) -> None:
+    """Keep the newest ``keep_last`` (>= 1) checkpoints of ``series`` up to the one ``latest``
+    names; delete the older ones of that series. Called only after ``publish``, so ``latest``
+    is the newest known-good one and always stays; directories past it (an unpublished save,
+    a resumed run's abandoned future) and other series' checkpoints (or unreadable ones) are
+    left for the user. Ordered by iteration, not by name."""
     latest = read_latest(root)
     done = sorted((int(p.name[len("iter_"):]), p) for p in root.glob("iter_*")
                   if p.name[len("iter_"):].isdigit())
-    for _, old in [d for d in done if d[0] <= latest][:-keep_last]:  # latest is the last
+    ours = [p for it, p in done if it <= latest and _in_series(p, series)]
+    for old in ours[:-keep_last]:  # latest is the last
         shutil.rmtree(old)
+
+
+def _in_series(directory: Path, series: str) -> bool:
+    try:
+        return series_of(read_meta(directory)) == series
+    except CheckpointError:
+        return False
 
 
 def read_latest(root: Path) -> int:
@@ -167,6 +202,8 @@ def _wrong_fields(meta: dict[str, Any]) -> list[str]:
     if "config" not in wrong:
         wrong += [f"config.{k}" for k, v in meta["config"].items() if not ok(v, (dict,))]
         wrong += [] if "model" in meta["config"] else ["config.model"]
+    if not isinstance(meta.get("series", LEGACY_SERIES), str):  # optional: older checkpoints
+        wrong.append("series")
     return wrong
 
 

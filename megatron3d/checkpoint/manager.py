@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,19 @@ _RUN_SECTIONS = {"checkpoint", "resilience"}
 
 @dataclass(frozen=True)
 class Progress:
+    """Where the run is, and which series of checkpoints it continues: a run that starts
+    from scratch (or fine-tunes) begins a new series, a resumed run continues the loaded one;
+    ``--keep-last-n`` prunes only its own series."""
+
     iteration: int
     consumed_samples: int
     consumed_tokens: int
+    series: str
+
+    @staticmethod
+    def new_series() -> str:
+        """Only rank 0's choice is ever written (meta.json is rank 0's)."""
+        return uuid.uuid4().hex
 
 
 def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
@@ -54,7 +65,9 @@ def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
 def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
          optimizer: MixedPrecisionOptimizer, progress: Progress, rng: RNGStreams) -> None:
     """Every rank writes its own file; rank 0 publishes the checkpoint when all are done.
-    Non-finite weights or moments are refused on every rank before anything is written."""
+    Non-finite weights or moments are refused on every rank before anything is written; a
+    write that fails (a full disk, a path that changed) is a ``CheckpointError`` on the rank
+    that met it, and the checkpoints already published stay as they were."""
     path = Path(root)
     final = io.iteration_dir(path, progress.iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -63,23 +76,26 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
     local = optimizer.local_state()
     _check_finite(local, state, progress.iteration, path)
     if state.world_rank == 0:
-        io.clear_for_save(path, progress.iteration)
-        tmp.mkdir()
+        with io.writing(path):
+            io.clear_for_save(path, progress.iteration)
+            tmp.mkdir()
     comm.barrier(state.world)
     chunks = make_chunks(params, optimizer.shard, local, state, cfg.parallel.zero_stage, KINDS)
-    io.write_rank(tmp, state.world_rank, {  # iteration, rank, layout: see safety.py
-        "chunks": chunks, "rng": _capture_rng(rng), "iteration": progress.iteration,
-        "rank": state.world_rank, "layout": layout(cfg, state)})
+    with io.writing(path):
+        io.write_rank(tmp, state.world_rank, {  # iteration, rank, layout: see safety.py
+            "chunks": chunks, "rng": _capture_rng(rng), "iteration": progress.iteration,
+            "rank": state.world_rank, "layout": layout(cfg, state)})
     comm.barrier(state.world)
     if state.world_rank == 0:
-        io.write_meta(tmp, {
-            "format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress),
-            "adam_step": float(local["step"]), "layout": layout(cfg, state),
-            "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
-            "config": dataclasses.asdict(cfg)})
-        io.publish(path, progress.iteration)
-        if cfg.checkpoint.keep_last_n:
-            io.prune(path, cfg.checkpoint.keep_last_n)
+        with io.writing(path):
+            io.write_meta(tmp, {
+                "format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress),
+                "adam_step": float(local["step"]), "layout": layout(cfg, state),
+                "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
+                "config": dataclasses.asdict(cfg)})
+            io.publish(path, progress.iteration)
+            if cfg.checkpoint.keep_last_n:
+                io.prune(path, cfg.checkpoint.keep_last_n, progress.series)
     comm.barrier(state.world)
     logger.info("saved checkpoint at iteration %d to %s", progress.iteration, final)
 
@@ -165,7 +181,7 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
     target["step"] = torch.tensor(meta["adam_step"])
     optimizer.load_local_state(target, weights_only)
     if weights_only:
-        return Progress(0, 0, 0)
+        return Progress(0, 0, 0, Progress.new_series())
     if optimizer.scaler is not None and meta["loss_scaler"] is not None:
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
     if meta["layout"] == layout(cfg, state):
@@ -174,7 +190,8 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
         logger.info("the checkpoint's layout %s differs from this run's %s: weights and "
                     "optimizer state are resharded, dropout RNG streams start fresh",
                     meta["layout"], layout(cfg, state))
-    return Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"])
+    return Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"],
+                    io.series_of(meta))
 
 
 def _norm(value: Any) -> Any:

@@ -4,8 +4,10 @@ At start, every rank checks ``--save`` and ``--load``, so a bad path stops the r
 line instead of failing at the first save, hours in. A ``--save`` directory must be
 writable, and one that already holds a series must be the one this run resumes from: a
 requeued job that forgot ``--load`` would otherwise rewrite ``iter_0000001`` and rewind
-``latest``. ``--load`` takes the checkpoint root; an iteration directory or a file there
-would otherwise look empty and silently start from scratch. At load, each rank file must
+``latest`` (``--new-series`` says that is meant: a new series starts beside the old one,
+whose checkpoints ``--keep-last-n`` never prunes). ``--load`` takes the checkpoint root; an
+iteration directory or a file there would otherwise look empty and silently start from
+scratch. At load, each rank file must
 belong to the checkpoint its ``meta.json`` describes (a file copied in from another
 iteration or layout would install wrong state).
 """
@@ -29,7 +31,8 @@ def check_paths(cfg: CheckpointConfig) -> None:
         check_load_root(Path(cfg.load))
     if cfg.save:
         check_save_dir(Path(cfg.save))
-        check_series(Path(cfg.save), cfg.load, cfg.finetune)
+        if not cfg.new_series:
+            check_series(Path(cfg.save), cfg.load, cfg.finetune)
 
 
 def check_load_root(root: Path) -> None:
@@ -70,7 +73,8 @@ def check_series(save: Path, load: str | None, finetune: bool) -> None:
         return
     why = "--finetune restarts at iteration 0" if same else "this run does not resume from them"
     raise ConfigError(f"--save already holds checkpoints and {why} ({save}): pass --load "
-                      f"{save} to resume, or choose an empty --save directory")
+                      f"{save} to resume, choose an empty --save directory, or add "
+                      "--new-series to start a new series beside them")
 
 
 def check_rank_file(directory: Path, rank: int, payload: Any, meta: dict[str, Any]) -> None:

@@ -74,7 +74,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     check_replicas()
     optimizer = build_optimizer(cfg, state, data_parallel, params)
     grad_sync = GradSync(params, data_parallel, tied, state)
-    progress = _resume(cfg, state, params, optimizer, rng)
+    progress, series = _resume(cfg, state, params, optimizer, rng)
     if cfg.checkpoint.load:  # copies must agree after loading as they did at start
         check_replicas()
         tied.check_identical(data_parallel.values_of(tied.params))
@@ -98,7 +98,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                                  enabled=state.world_rank == logging_rank(state)),
         check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp,
         data_parallel=data_parallel,
-        save=functools.partial(_save, cfg, state, params, optimizer, rng)
+        save=functools.partial(_save, cfg, state, params, optimizer, rng, series)
         if cfg.checkpoint.save else None,
         exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started), progress=progress)
 
@@ -145,25 +145,27 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataP
 
 
 def _resume(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-            optimizer: MixedPrecisionOptimizer, rng: RNGStreams) -> Progress:
-    """Where training starts: the --load checkpoint's position, or zero."""
-    if not cfg.checkpoint.load:
-        return Progress()
-    directory = checkpoint.find(cfg.checkpoint.load)
+            optimizer: MixedPrecisionOptimizer, rng: RNGStreams) -> tuple[Progress, str]:
+    """Where training starts (the --load checkpoint's position, or zero) and the series of
+    checkpoints this run writes (the loaded one's when resuming, else a new one)."""
+    directory = checkpoint.find(cfg.checkpoint.load) if cfg.checkpoint.load else None
     if directory is None:
-        logger.info("no checkpoint in %s: starting from scratch", cfg.checkpoint.load)
-        return Progress()
+        if cfg.checkpoint.load:
+            logger.info("no checkpoint in %s: starting from scratch", cfg.checkpoint.load)
+        return Progress(), checkpoint.Progress.new_series()
     loaded = checkpoint.load(directory, cfg, state, params, optimizer, rng,
                              weights_only=cfg.checkpoint.finetune)
     logger.info("loaded %s (iteration %d)", directory, loaded.iteration)
-    return Progress(loaded.iteration, loaded.consumed_samples, loaded.consumed_tokens)
+    return Progress(loaded.iteration, loaded.consumed_samples,
+                    loaded.consumed_tokens), loaded.series
 
 
 def _save(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, progress: Progress) -> None:
+          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, series: str,
+          progress: Progress) -> None:
     checkpoint.save(cfg.checkpoint.save, cfg, state, params, optimizer,
                     checkpoint.Progress(progress.iteration, progress.consumed_samples,
-                                        progress.consumed_tokens), rng)
+                                        progress.consumed_tokens, series), rng)
 
 
 def valid_samples(cfg: TrainConfig, schedule: BatchSchedule) -> int:

@@ -12,10 +12,20 @@ the real buffers, so padding shows.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 
+import torch
+
 from megatron3d import device as devices
+from megatron3d.config import TrainConfig
+from megatron3d.errors import ConfigError
+from megatron3d.model.context import LayerContext
+from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts
+from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+from megatron3d.pipeline.partition import partition_layers
 from megatron3d.zero.factory import DataParallel
 
 
@@ -24,6 +34,10 @@ class MemoryBytes:
     params: int
     grads: int
     optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state
 
     def lines(self, label: str) -> list[str]:
         gib = 2.0 ** 30
@@ -65,3 +79,36 @@ def report(title: str, expected: MemoryBytes, actual: MemoryBytes | None = None)
         if allocated is not None:
             lines.append(f"  device allocated {allocated:,} B")
     return "\n".join(lines)
+
+
+def fullest_rank_lower_bound(cfg: TrainConfig, world_size: int) -> int:
+    """Bytes of parameters, gradients and optimizer state on the fullest rank, at least: the
+    largest pipeline stage (partitioned as training will) split evenly over TP. Norms and
+    biases are really replicated and activations come on top, so the truth is higher; with
+    real data the vocabulary is not known yet and counts as one token."""
+    model = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=1)
+    ctx = LayerContext(model, AxisGroup.single(), cfg.training.seed)
+    names = [spec.type_name for spec in gpt_layer_specs(ctx)]
+    counts = layer_param_counts(ctx)
+    parallel = cfg.parallel
+    bounds = partition_layers(names, counts, parallel.pipeline_model_parallel_size,
+                              parallel.pp_partition_method)
+    shared = cfg.model.tie_embeddings and bounds[-2] == 0  # one stage: one tied tensor
+    stage = max(sum(counts[a:b]) for a, b in itertools.pairwise(bounds)) - (
+        counts[-1] if shared else 0)
+    param_bytes = getattr(torch, cfg.precision.params_dtype_name).itemsize
+    return analytic(stage // parallel.tensor_model_parallel_size, param_bytes,
+                    parallel.zero_stage, parallel.data_parallel_size(world_size)).total
+
+
+def check_fits(cfg: TrainConfig, world_size: int, capacity: int) -> None:
+    """``ConfigError`` before any work when the model states alone exceed a rank's
+    ``capacity`` bytes (its device memory), instead of an out-of-memory error later."""
+    need = fullest_rank_lower_bound(cfg, world_size)
+    if need > capacity:
+        gib = 2.0**30
+        raise ConfigError(
+            f"the model does not fit: its parameters, gradients and optimizer state alone need "
+            f"at least {need / gib:.1f} GiB on the fullest rank, which has {capacity / gib:.1f}"
+            " GiB: raise --tensor-model-parallel-size or --pipeline-model-parallel-size, use "
+            "--zero-stage 1 or 3 with more data-parallel ranks, or --bf16, or shrink the model")

@@ -30,6 +30,7 @@ from pathlib import Path
 from megatron3d.config import TrainConfig
 from megatron3d.log import get_logger
 from megatron3d.mpu.state import ParallelState
+from megatron3d.training.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.training.flight_recorder import FlightRecorder
 from megatron3d.training.hang_dump import dump_path, write_dump
 
@@ -39,6 +40,7 @@ HANG_EXIT_CODE = 3
 DUMP_SIGNAL = signal.SIGUSR2
 EXIT_GRACE_S = 5.0  # after dumping, before exiting: the peers' watchdogs fire meanwhile
 _POLL_S = 1.0
+_BOARD_POLL_S = 3.0  # one store lookup per rank this often: cheap for the store's host
 
 
 class Watchdog:
@@ -47,8 +49,9 @@ class Watchdog:
 
     def __init__(self, recorder: FlightRecorder, dump_dir: Path, rank: int,
                  sizes: dict[str, int], coords: dict[str, int], timeout: float,
-                 startup_timeout: float) -> None:
-        """``sizes``/``coords``: the (tp, pp, dp) layout and this rank's place in it."""
+                 startup_timeout: float, board: FailureBoard | None = None) -> None:
+        """``sizes``/``coords``: the (tp, pp, dp) layout and this rank's place in it;
+        ``board``: where a failing peer posts, checked every few seconds."""
         self.recorder = recorder
         self.path = dump_path(dump_dir, rank)
         self.rank, self.sizes, self.coords = rank, sizes, coords
@@ -63,16 +66,17 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._pipe: tuple[int, int] | None = None
         self._previous: tuple[int, object] | None = None
+        self.board = board
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, state: ParallelState,
-                recorder: FlightRecorder) -> Watchdog:
+                recorder: FlightRecorder, board: FailureBoard | None = None) -> Watchdog:
         r = cfg.resilience
         return cls(recorder, default_dump_dir(r.hang_dump_dir, cfg.checkpoint.save),
                    state.world_rank,
                    {"tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size},
                    {"tp": state.tp.rank, "pp": state.pp.rank, "dp": state.dp.rank},
-                   r.hang_timeout, r.hang_startup_timeout)
+                   r.hang_timeout, r.hang_startup_timeout, board)
 
     # -- main thread ------------------------------------------------------------------------
     def start(self) -> Watchdog:
@@ -141,6 +145,7 @@ class Watchdog:
     # -- watchdog thread --------------------------------------------------------------------
     def _watch(self) -> None:
         read_fd = self._pipe[0]
+        next_board_check = time.monotonic() + _BOARD_POLL_S
         while not self._stop.is_set():
             ready, _, _ = select.select([read_fd], [], [], _POLL_S)
             if ready and DUMP_SIGNAL in os.read(read_fd, 64):
@@ -148,6 +153,10 @@ class Watchdog:
                 logger.info("rank %d wrote %s on %s", self.rank, path, DUMP_SIGNAL.name)
             if self.timeout > 0 and time.monotonic() > self._deadline and not self._stop.is_set():
                 self._fire()
+            if self.board is not None and time.monotonic() > next_board_check:
+                next_board_check = time.monotonic() + _BOARD_POLL_S
+                if self.board.stop_for_peer() and not self._stop.is_set():
+                    os._exit(PEER_EXIT_CODE)  # the main thread is blocked in a collective
 
     def _fire(self) -> None:
         waited = self._allowance

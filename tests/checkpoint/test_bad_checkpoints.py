@@ -100,16 +100,30 @@ def test_keep_last_n_prunes_old_checkpoints(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "iter_0000005", "latest"]
 
 
-def test_prune_orders_by_iteration_and_keeps_latest(tmp_path):
+def _checkpoint_dir(root, iteration: int, series: str) -> None:
+    directory = io.iteration_dir(root, iteration)
+    directory.mkdir()
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
+    io.write_meta(directory, {"format_version": io.FORMAT_VERSION, "iteration": iteration,
+                              "consumed_samples": 0, "consumed_tokens": 0, "adam_step": 0,
+                              "layout": layout, "loss_scaler": None, "series": series,
+                              "config": {"model": {}}})
+
+
+def test_prune_orders_by_iteration_and_keeps_latest_and_other_series(tmp_path):
     """Past iteration 9999999 names no longer sort; directories past ``latest`` (a resumed
-    run's abandoned future) and unfinished saves are not pruning's to remove."""
+    run's abandoned future), unfinished saves, another series' checkpoints and unreadable
+    ones are not pruning's to remove."""
     for iteration in (5, 9_999_999, 10_000_000, 10_000_001):
-        io.iteration_dir(tmp_path, iteration).mkdir()
+        _checkpoint_dir(tmp_path, iteration, "mine")
+    _checkpoint_dir(tmp_path, 6, "theirs")
+    io.iteration_dir(tmp_path, 8).mkdir()  # no meta.json: whose it is cannot be told
     (tmp_path / "iter_0000007.tmp").mkdir()
     (tmp_path / "latest").write_text("10000000\n")
-    io.prune(tmp_path, 1)
+    io.prune(tmp_path, 1, "mine")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "iter_0000007.tmp", "iter_10000000", "iter_10000001", "latest"]
+        "iter_0000006", "iter_0000007.tmp", "iter_0000008", "iter_10000000", "iter_10000001",
+        "latest"]
 
 
 def test_saving_removes_what_killed_saves_left(checkpoint, tmp_path):

@@ -101,8 +101,42 @@ def test_saving_over_another_series_is_refused(copy, tmp_path, capsys, extra, ex
 
 def test_refusal_names_the_fix(copy, capsys):
     _refused(train_argv("gpt2", 3, "--save", str(copy)), capsys,
-             f"({copy}): pass --load {copy} to resume, or choose an empty --save directory",
-             copy)
+             f"({copy}): pass --load {copy} to resume, choose an empty --save directory, or "
+             "add --new-series to start a new series beside them", copy)
+
+
+def _meta(root: Path, iteration: int) -> dict:
+    return json.loads((root / f"iter_{iteration:07d}" / "meta.json").read_text())
+
+
+def test_a_new_series_never_prunes_the_old_one(copy):
+    """--new-series into a directory holding series A (1, 2, 3): the new run saves at 2 and 4
+    with --keep-last-n 1; it replaces A's 2, prunes only its own 2, and A's 1 and 3 stay
+    byte-identical although they are older than its latest."""
+    old = {it: _tree(copy / f"iter_{it:07d}") for it in (1, 3)}
+    series_a = _meta(copy, 3)["series"]
+    assert pretrain_gpt.main(train_argv("gpt2", 4, "--save", str(copy), "--new-series",
+                                        "--save-interval", "2", "--keep-last-n", "1")) == 0
+    assert (copy / "latest").read_text().strip() == "4"
+    assert sorted(p.name for p in copy.glob("iter_*")) == [
+        "iter_0000001", "iter_0000003", "iter_0000004"]
+    assert {it: _tree(copy / f"iter_{it:07d}") for it in (1, 3)} == old
+    new = _meta(copy, 4)["series"]
+    assert new and new != series_a and _meta(copy, 1)["series"] == series_a
+
+
+def test_a_resumed_run_prunes_its_own_series_including_older_checkpoints(copy):
+    """Resuming continues the loaded series (checkpoints without a series name are one
+    series of their own), so --keep-last-n prunes the checkpoints it continues."""
+    for it in (1, 2, 3):
+        path = copy / f"iter_{it:07d}" / "meta.json"
+        meta = json.loads(path.read_text())
+        del meta["series"]  # as written before checkpoints named their series
+        path.write_text(json.dumps(meta))
+    assert pretrain_gpt.main(train_argv("gpt2", 4, "--load", str(copy), "--save", str(copy),
+                                        "--keep-last-n", "2")) == 0
+    assert sorted(p.name for p in copy.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    assert _meta(copy, 4)["series"] == ""  # the unnamed legacy series goes on
 
 
 def test_resume_and_finetune_into_an_empty_directory_still_save(copy, tmp_path):

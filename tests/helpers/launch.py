@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,8 +67,10 @@ class Job:
 
 
 def launch(script: str, args: list[str], world_size: int, workdir: Path,
-           env: dict[str, str] | None = None) -> Job:
-    """Start ``world_size`` ranks of ``python script args``; output goes to workdir/rank-R.log."""
+           env: dict[str, str] | None = None,
+           preexec: Callable[[], None] | None = None) -> Job:
+    """Start ``world_size`` ranks of ``python script args``; output goes to workdir/rank-R.log.
+    ``preexec`` runs in each child before the script (e.g. to set a resource limit)."""
     port = _free_port()
     procs, logs = [], []
     for rank in range(world_size):
@@ -80,5 +83,5 @@ def launch(script: str, args: list[str], world_size: int, workdir: Path,
         with open(log, "w") as out:
             procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args],
                                           cwd=workdir, env=rank_env, stdout=out,
-                                          stderr=subprocess.STDOUT))
+                                          stderr=subprocess.STDOUT, preexec_fn=preexec))
     return Job(procs, logs)
