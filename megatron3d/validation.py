@@ -189,6 +189,7 @@ def _check_model(values: dict[str, Any]) -> None:
             {"hidden_size": hidden, "num_attention_heads": heads},
             "pick a head count that divides --hidden-size",
         )
+    _check_query_groups(values)
     position = values["position_embedding_type"]
     if position == "rope" and (hidden // heads) % 2:
         raise _error(
@@ -204,6 +205,19 @@ def _check_model(values: dict[str, Any]) -> None:
             {"max_position_embeddings": max_positions, "seq_length": seq},
             "raise --max-position-embeddings to at least --seq-length",
         )
+
+
+def _check_query_groups(values: dict[str, Any]) -> None:
+    groups, heads = values["num_query_groups"], values["num_attention_heads"]
+    if not values["group_query_attention"]:
+        if groups is not None:
+            raise _error("--num-query-groups needs --group-query-attention",
+                         {"num_query_groups": groups}, "add --group-query-attention or drop it")
+        return
+    if groups is None or heads % groups:
+        raise _error("grouped-query attention needs a group count that divides the heads",
+                     {"num_query_groups": groups, "num_attention_heads": heads},
+                     "pass --num-query-groups G with G dividing --num-attention-heads")
 
 
 def _check_precision(values: dict[str, Any]) -> None:
@@ -269,6 +283,7 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
             "launch a multiple of TP x PP processes or change the parallel sizes",
         )
     sizes = [("num_attention_heads", cfg.model.num_attention_heads),
+             ("num_query_groups", cfg.model.query_groups),
              ("ffn_hidden_size", cfg.model.ffn_size)]
     if parallel.sequence_parallel:  # activations are split along the sequence
         sizes.append(("seq_length", cfg.model.seq_length))

@@ -236,3 +236,15 @@ def test_not_yet_checks_come_after_the_real_ones():
     """A TP layout that is wrong anyway reports the real problem, not "not supported yet"."""
     with pytest.raises(ConfigError, match="--num-attention-heads=4"):
         validate(make(hidden_size=48, tensor_model_parallel_size=3), 3)
+
+
+@pytest.mark.parametrize(("overrides", "world_size", "expected"), [
+    ({"num_query_groups": 2}, 1, "--num-query-groups needs --group-query-attention"),
+    ({"group_query_attention": True}, 1, "--num-query-groups=None"),
+    ({"group_query_attention": True, "num_query_groups": 3}, 1, "dividing --num-attention-heads"),
+    ({"group_query_attention": True, "num_query_groups": 1, "tensor_model_parallel_size": 2},
+     2, "--num-query-groups 1 is not divisible by the tensor-parallel size"),
+], ids=["groups without gqa", "gqa without groups", "groups not dividing", "one group at tp2"])
+def test_grouped_query_attention_is_checked(overrides, world_size, expected):
+    with pytest.raises(ConfigError, match=expected):
+        validate(make(**overrides), world_size)

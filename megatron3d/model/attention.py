@@ -1,7 +1,10 @@
 """Causal self-attention with heads split across tensor-parallel ranks.
 
-The fused QKV weight is laid out head by head ([heads, 3, head_dim] along the output
-dimension), so a column-parallel split gives each TP rank whole heads with their own q, k, v.
+The fused QKV weight is laid out group by group along the output dimension: [G, n/G + 2, d]
+for G key/value heads (query groups) of n query heads, i.e. each group's n/G query heads,
+then its key head, then its value head (Megatron's layout). A column-parallel split then gives
+each TP rank whole groups. Without grouped-query attention G = n and the layout is
+[n, 3, d]: head by head, each with its own q, k, v.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ class SelfAttention(nn.Module):
         h = cfg.hidden_size
         self.head_dim = cfg.head_dim
         self.local_heads = cfg.num_attention_heads // tp.size
+        self.local_groups = cfg.query_groups // tp.size
+        self.group_size = cfg.num_attention_heads // cfg.query_groups  # query heads per group
         self.dropout_p = cfg.attention_dropout
-        self.qkv = ColumnParallelLinear(h, 3 * h, name=f"{name}.qkv", init_std=ctx.init_std,
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * self.head_dim
+        self.qkv = ColumnParallelLinear(h, qkv_size, name=f"{name}.qkv", init_std=ctx.init_std,
                                         bias=cfg.add_bias, **ctx.linear_kwargs())
         self.dense = RowParallelLinear(h, h, name=f"{name}.dense",
                                        init_std=ctx.output_init_std, bias=cfg.add_bias,
@@ -46,14 +52,17 @@ class SelfAttention(nn.Module):
         self._bias_cache: dict[tuple, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, 3h/tp] (gathered along s under sequence parallelism)
+        qkv = self.qkv(x)  # [s, b, (n + 2G) d / tp] (gathered along s under SP)
         s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.local_heads, 3, self.head_dim)  # [s, b, n/tp, 3, d]
-        q, k, v = qkv.unbind(dim=3)  # each [s, b, n/tp, d]
+        qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, self.head_dim)
+        q = qkv[:, :, :, :self.group_size].reshape(s, b, self.local_heads, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # each [s, b, G/tp, d]
         if self.position_type == "rope":
             q = apply_rotary(q, self.rope_cos, self.rope_sin)
             k = apply_rotary(k, self.rope_cos, self.rope_sin)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n/tp, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.group_size > 1:  # each key/value head serves its group's query heads
+            k, v = (t.repeat_interleave(self.group_size, dim=1) for t in (k, v))
         dropout = self.dropout_p if self.training else 0.0
         mask = self._alibi(s, q) if self.position_type == "alibi" else None
         with self.ctx.tp_region_rng():  # each TP rank drops out its own heads

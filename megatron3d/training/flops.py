@@ -21,8 +21,8 @@ BigScience/Narayanan's ``96 B s L h^2 (1 + s/(6h) + V/(16 L h))`` exactly. Their
 c = 3 (no checkpointing) scales the head term too and gives 4.5 B s h V instead of the true
 6 B s h V, which is why we count per operation rather than plug c into that formula.
 
-Multi-head attention only (the config has no grouped-query attention); with GQA the QKV term
-would shrink and must be counted here.
+With grouped-query attention (G key/value heads of size d) the QKV projection is
+2 * h * (h + 2 G d); the score and value products stay as above (every query head attends).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Throughput:
 def layer_forward_flops_per_token(model_cfg: ModelConfig) -> int:
     """Forward matmul FLOPs of one transformer layer for one token."""
     h, s, f = model_cfg.hidden_size, model_cfg.seq_length, model_cfg.ffn_size
-    qkv = 2 * h * 3 * h
+    kv = model_cfg.query_groups * model_cfg.head_dim  # = h without grouped-query attention
+    qkv = 2 * h * (h + 2 * kv)
     scores = 2 * s * h
     attention_values = 2 * s * h
     projection = 2 * h * h

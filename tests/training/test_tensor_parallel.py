@@ -79,3 +79,24 @@ def test_tp3_with_a_vocabulary_that_pads_differently():
     reference = train_single(_argv("gpt2", 1, *TP3_SHAPE))
     for result in results:
         assert_same_run(result, reference, FP32)
+
+
+def _gqa(groups: int) -> tuple[str, ...]:
+    return ("--group-query-attention", "--num-query-groups", str(groups))
+
+
+def _gqa_runs(tp: int) -> dict:
+    return {g: train(_argv("llama", tp, *_gqa(g))) for g in (2, 4)}
+
+
+def test_grouped_query_attention_under_tp_matches_single_process():
+    """Llama with 4 query heads in 2 or 4 key/value groups: TP=2 keeps whole groups per rank.
+    (One group cannot be split over 2 ranks: validation refuses it.)"""
+    results = run_distributed(_gqa_runs, 2, 2)
+    for groups in (2, 4):
+        reference = _reference("llama", _gqa(groups))
+        for rank, per_groups in enumerate(results):
+            try:
+                assert_same_run(per_groups[groups], reference, FP32)
+            except AssertionError as err:
+                raise AssertionError(f"{groups} groups, rank {rank}: {err}") from err
