@@ -19,7 +19,9 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7", "tokenizers"],  # tokenizers: the PretrainedFromHF tests
+        # tokenizers: the PretrainedFromHF tests; transformers: the model is checked against
+        # it; hypothesis: the bad-input fuzz suite
+        "test": ["pytest>=7", "tokenizers", "transformers", "safetensors", "hypothesis"],
         "hf": ["transformers", "safetensors", "tokenizers"],
         "dev": ["ruff"],
     },
