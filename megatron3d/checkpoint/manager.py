@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from megatron3d.checkpoint import io, safety
-from megatron3d.checkpoint.chunks import KINDS, assemble, index_chunks, local_slice, make_chunks
+from megatron3d.checkpoint import io
+from megatron3d.checkpoint.chunks import KINDS, local_slice, make_chunks
+from megatron3d.checkpoint.reader import CheckpointReader, find
 from megatron3d.config import ModelConfig, TrainConfig
 from megatron3d.errors import CheckpointError, ConfigError, TrainingError
 from megatron3d.log import get_logger
@@ -112,16 +113,6 @@ def _check_finite(local: dict[str, torch.Tensor], state: ParallelState, iteratio
             "are kept; resume from the last good one with --load and a lower --lr")
 
 
-def find(root: str) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None for an empty or missing dir
-    (never for an iteration directory or a file: those are refused)."""
-    path = Path(root)
-    safety.check_load_root(path)
-    if not io.has_checkpoints(path):
-        return None
-    return io.iteration_dir(path, io.read_latest(path))
-
-
 def checkpoint_config(directory: Path) -> dict[str, Any]:
     return io.read_meta(directory)["config"]
 
@@ -159,21 +150,14 @@ def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
 def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, weights_only: bool) -> Progress:
     """Install the checkpoint into this rank's parameters and optimizer shard."""
-    meta = io.read_meta(directory)
+    reader = CheckpointReader(directory)
+    meta = reader.meta
     check_model_matches(cfg, meta["config"])
-    files = [io.read_rank(directory, r) for r in range(meta["layout"]["world_size"])]
-    for r, payload in enumerate(files):  # before anything is installed
-        safety.check_rank_file(directory, r, payload, meta)
-    index = index_chunks(c for f in files for c in f["chunks"])
     kinds = ("weight",) if weights_only else KINDS
     target = {k: torch.zeros(optimizer.shard.numel, dtype=torch.float32) for k in KINDS}
     for p in params:
-        name = get_meta(p).name
         for kind in kinds:
-            if (name, kind) not in index:
-                raise CheckpointError(f"{directory} has no {kind} of {name}: a shard file is "
-                                      "missing, or the model differs")
-            mine = local_slice(assemble(name, kind, index[(name, kind)]), p, state).reshape(-1)
+            mine = local_slice(reader.tensor(get_meta(p).name, kind), p, state).reshape(-1)
             for start, end, offset in optimizer.shard.parts_of(p):
                 target[kind][offset:offset + end - start] = mine[start:end]
     device = optimizer.shard.grads.device
@@ -185,7 +169,7 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
     if optimizer.scaler is not None and meta["loss_scaler"] is not None:
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
     if meta["layout"] == layout(cfg, state):
-        _restore_rng(rng, files[state.world_rank]["rng"])
+        _restore_rng(rng, reader.files[state.world_rank]["rng"])
     else:
         logger.info("the checkpoint's layout %s differs from this run's %s: weights and "
                     "optimizer state are resharded, dropout RNG streams start fresh",

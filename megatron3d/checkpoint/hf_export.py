@@ -1,0 +1,113 @@
+"""Write a checkpoint as a Hugging Face transformers model directory, one layer at a time.
+
+The weights go into safetensors shards, one per transformer layer plus one for the
+embeddings and head, listed in ``model.safetensors.index.json`` (transformers' sharded
+format), so only one layer's tensors are in memory at once. Everything is written into
+``OUTPUT.tmp`` and renamed at the end: a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron3d.checkpoint import hf
+from megatron3d.checkpoint.reader import CheckpointReader
+from megatron3d.checkpoint.standalone import load_model, saved_config
+from megatron3d.errors import ConfigError
+from megatron3d.log import get_logger
+
+logger = get_logger(__name__)
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    output: Path
+    tensors: int
+    peak_bytes: int  # the most tensor bytes held at once (one shard)
+    largest_bytes: int  # the largest single tensor
+
+
+def export(load: str, output: str) -> ExportReport:
+    """The newest checkpoint in ``load`` -> a transformers model directory ``output``."""
+    save_file = _safetensors_writer()
+    reader = CheckpointReader.latest(load)
+    cfg = saved_config(reader.meta)
+    config = hf.hf_config(cfg.model)  # refuses a model no transformers class holds
+    out = Path(output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--output {output} already exists and is not an empty directory: "
+                          "choose a new path, nothing was written")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = _by_shard(reader.names())
+    index: dict[str, str] = {}
+    peak = largest = 0
+    for number, (_, names) in enumerate(sorted(shards.items()), 1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = dict(pair for name in names
+                       for pair in hf.to_hf(cfg.model, name, reader.tensor(name)))
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        peak, largest = max(peak, sum(sizes)), max(largest, *sizes)
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, file))
+    total = sum((tmp / f).stat().st_size for f in set(index.values()))
+    (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                         "weight_map": dict(sorted(index.items()))}, indent=1))
+    (tmp / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    shutil.rmtree(out, ignore_errors=True)  # an empty directory, checked above
+    tmp.rename(out)
+    return ExportReport(out, len(index), peak, largest)
+
+
+def _by_shard(names: list[str]) -> dict[int, list[str]]:
+    """Layer i's tensors in shard i + 1; embeddings, final norm and head in shard 0."""
+    shards: dict[int, list[str]] = defaultdict(list)
+    for name in names:
+        shards[int(name.split(".")[1]) + 1 if name.startswith("layers.") else 0].append(name)
+    return shards
+
+
+def _safetensors_writer():
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ConfigError("exporting needs the safetensors package: pip install -e '.[hf]'") \
+            from None
+    return save_file
+
+
+@dataclass(frozen=True)
+class Agreement:
+    max_abs_diff: float
+    max_abs_logit: float
+    top1_agreement: float  # fraction of positions with the same argmax
+
+
+def verify(load: str, output: Path, tokens: int = 32, seed: int = 0) -> Agreement:
+    """Logits of the exported model under transformers against megatron3d's own forward,
+    on fixed random token ids (2 sequences)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("verifying the export needs transformers: pip install -e '.[hf]', "
+                          "or pass --no-verify") from None
+    ours = load_model(load)
+    length = min(tokens, ours.config.model.seq_length)
+    ids = torch.randint(0, ours.config.model.vocab_size, (2, length),
+                        generator=torch.Generator().manual_seed(seed))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(output).float()
+    with torch.no_grad():
+        expected = theirs.eval()(ids).logits.float()
+    actual = ours.logits(ids)
+    return Agreement(max_abs_diff=float((actual - expected).abs().max()),
+                     max_abs_logit=float(expected.abs().max()),
+                     top1_agreement=float((actual.argmax(-1) == expected.argmax(-1))
+                                          .float().mean()))

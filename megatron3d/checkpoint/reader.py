@@ -1,0 +1,69 @@
+"""A saved checkpoint as logical tensors, read one at a time by any process.
+
+Rank files are memory-mapped (``io.read_rank``), so opening a checkpoint reads only its
+metadata and chunk descriptions; a tensor's bytes are read when ``tensor`` assembles it. The
+training loader and the offline tools (export, generation) both read through this, so a
+checkpoint from any (TP, PP, DP, ZeRO) layout looks the same to them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron3d.checkpoint import io, safety
+from megatron3d.checkpoint.chunks import assemble, index_chunks
+from megatron3d.config import ModelConfig
+from megatron3d.errors import CheckpointError
+
+
+def find(root: str) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None for an empty or missing dir
+    (never for an iteration directory or a file: those are refused)."""
+    path = Path(root)
+    safety.check_load_root(path)
+    if not io.has_checkpoints(path):
+        return None
+    return io.iteration_dir(path, io.read_latest(path))
+
+
+class CheckpointReader:
+    """One checkpoint directory (``iter_XXXXXXX``): its metadata, rank files and chunks."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.meta: dict[str, Any] = io.read_meta(directory)
+        self.files = [io.read_rank(directory, r)
+                      for r in range(self.meta["layout"]["world_size"])]
+        for rank, payload in enumerate(self.files):  # before anything is used
+            safety.check_rank_file(directory, rank, payload, self.meta)
+        self._index = index_chunks(c for f in self.files for c in f["chunks"])
+
+    @classmethod
+    def latest(cls, root: str | Path) -> CheckpointReader:
+        """The newest complete checkpoint under the checkpoint root ``root``."""
+        directory = find(str(root))
+        if directory is None:
+            raise CheckpointError(f"no checkpoint in {root}: pass the --save directory of a "
+                                  "run that saved one")
+        return cls(directory)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.meta["config"]["model"])
+
+    def names(self, kind: str = "weight") -> list[str]:
+        """Logical tensor names, in the order the saving ranks wrote them."""
+        return [name for name, k in self._index if k == kind]
+
+    def has(self, name: str, kind: str = "weight") -> bool:
+        return (name, kind) in self._index
+
+    def tensor(self, name: str, kind: str = "weight") -> torch.Tensor:
+        """The whole logical fp32 tensor (vocabulary padding dropped)."""
+        if (name, kind) not in self._index:
+            raise CheckpointError(f"{self.directory} has no {kind} of {name}: a shard file is "
+                                  "missing, or the model differs")
+        return assemble(name, kind, self._index[(name, kind)])

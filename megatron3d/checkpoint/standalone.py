@@ -1,0 +1,76 @@
+"""A checkpoint as a plain model: ``load_model(dir)`` in one process, from any saved layout.
+
+For evaluation, generation and export, without process groups or internals: the whole model
+is built on one device (fp32 unless asked otherwise) and each parameter is filled from the
+checkpoint's logical tensor, read one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron3d.checkpoint.reader import CheckpointReader
+from megatron3d.config import SECTIONS, TrainConfig
+from megatron3d.data.tokenizer import TokenizerSpec
+from megatron3d.model.context import LayerContext
+from megatron3d.model.gpt import build_gpt
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.state import AxisGroup
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """``model``: token ids [b, s] -> logits [s, b, padded vocabulary], in eval mode;
+    ``config``: the saved run's configuration; ``tokenizer``: its tokenizer settings."""
+
+    model: nn.Module
+    config: TrainConfig
+    iteration: int
+    tokenizer: TokenizerSpec | None
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> [b, s, vocabulary] logits (padding columns dropped)."""
+        out = self.model(tokens)  # [s, b, Vpad]
+        return out.transpose(0, 1)[..., : self.config.model.vocab_size].float()
+
+
+def saved_config(meta: dict[str, Any]) -> TrainConfig:
+    """The run configuration stored in ``meta.json``; fields this version does not know are
+    left out and fields it added take their defaults."""
+    saved = meta["config"]
+    sections = {}
+    for name, cls in SECTIONS.items():
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = saved.get(name, {})
+        sections[name] = cls(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in values.items() if k in known})
+    return TrainConfig(**sections)
+
+
+def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """The newest checkpoint under ``checkpoint_dir`` (a --save directory) as one model."""
+    reader = CheckpointReader.latest(checkpoint_dir)
+    cfg = saved_config(reader.meta)
+    model = build_gpt(LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, dtype,
+                                   torch.device(device)))
+    with torch.no_grad():
+        for p in model.parameters():
+            meta = get_meta(p)
+            logical = reader.tensor(meta.name)
+            p.zero_()  # vocabulary padding rows stay zero
+            p[: logical.shape[0]].copy_(logical)
+    data = cfg.data
+    spec = None if data.tokenizer_type is None else TokenizerSpec(
+        tokenizer_type=data.tokenizer_type, tokenizer_model=data.tokenizer_model,
+        vocab_file=data.vocab_file, merge_file=data.merge_file,
+        tokenizer_name_or_path=data.tokenizer_name_or_path,
+        vocab_size=cfg.model.vocab_size - 1 if data.tokenizer_type == "NullTokenizer" else None)
+    return LoadedModel(model.eval(), cfg, reader.meta["iteration"], spec)

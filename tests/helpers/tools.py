@@ -1,0 +1,19 @@
+"""The command-line tools in tools/ as modules, so tests call their ``main(argv)`` in-process
+(fast, and the exit code and output are the tool's own)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def load_tool(relative: str) -> ModuleType:
+    """``tools/<relative>`` (e.g. ``checkpoint/export_hf.py``) imported once per call."""
+    path = TOOLS / relative
+    spec = importlib.util.spec_from_file_location(f"tool_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
