@@ -1,8 +1,9 @@
 """Megatron-DeepSpeed command-line flags and YAML config files -> ``TrainConfig``.
 
-The only module that knows argparse or YAML. The parser is generated from the fields of
-``config.SECTIONS`` (flag ``--foo-bar`` for field ``foo_bar``), so a new field is a new flag
-without touching this file. Precedence: dataclass defaults < ``--config`` YAML < flags.
+The only module that knows the training flags or YAML (``cli.OneLineParser``, the argparse
+front end shared with tools/, reports the mistakes). The parser is generated from the fields
+of ``config.SECTIONS`` (flag ``--foo-bar`` for field ``foo_bar``), so a new field is a new
+flag without touching this file. Precedence: dataclass defaults < ``--config`` YAML < flags.
 
 Every mistake raises ``ConfigError`` with one line naming the flag, the value and the fix;
 argparse never prints usage and exits by itself (``--help`` still prints and exits 0).
@@ -25,11 +26,11 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron3d.cli import COMMAND_LINE, OneLineParser
 from megatron3d.config import SECTIONS, Range, TrainConfig, flat_fields
 from megatron3d.errors import ConfigError
 
 CONFIG_FLAG = "--config"
-_COMMAND_LINE = "on the command line"
 _METAVARS = {int: "INT", float: "FLOAT", str: "STR"}
 _EXPECTED = {
     int: "a whole number such as 24 (underscores allowed: 9_765_625)",
@@ -62,15 +63,6 @@ class FieldSpec:
         if self.choices:
             return "{" + ",".join(self.choices) + "}"
         return _METAVARS[self.kind]
-
-    @property
-    def usage(self) -> str:
-        """How the flag is written on a command line, e.g. ``--rampup-batch-size INT INT INT``."""
-        if self.kind is bool:
-            return self.flag
-        if self.nargs == "+":
-            return f"{self.flag} {self.metavar} [{self.metavar} ...]"
-        return " ".join([self.flag] + [self.metavar] * (self.nargs or 1))
 
     @property
     def expected(self) -> str:
@@ -272,13 +264,6 @@ def read_config_file(path: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- argparse
 
 
-class _RaisingParser(argparse.ArgumentParser):
-    """An ArgumentParser that raises ConfigError instead of printing usage and exiting."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(f"invalid command line: {message}: run with --help to see every flag")
-
-
 def _help_text(spec: FieldSpec) -> str:
     text = spec.help
     if spec.default is not None and spec.default is not False:
@@ -288,15 +273,13 @@ def _help_text(spec: FieldSpec) -> str:
     return text.replace("%", "%%")  # argparse %-formats help strings
 
 
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(prog: str | None = None) -> OneLineParser:
     """One flag per config field, grouped by section. Values stay strings: ``coerce`` converts
     them, so the command line and YAML share one set of checks and error messages. Flags not
     given are absent from the namespace, which is how YAML values survive unless overridden."""
-    parser = _RaisingParser(
+    parser = OneLineParser(
         prog=prog,
         description="Train a GPT model with tensor, pipeline and data parallelism.",
-        allow_abbrev=False,  # a prefix of a flag is a typo, never silently another flag
-        exit_on_error=False,
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument(
@@ -318,56 +301,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _known_flags() -> list[str]:
-    return [CONFIG_FLAG, "--help"] + [spec.flag for spec in field_specs().values()]
-
-
-def _argument_error(err: argparse.ArgumentError) -> ConfigError:
-    """argparse's complaint about a known flag (missing value, value on a switch)."""
-    flag = err.argument_name or "?"
-    by_flag = {spec.flag: spec for spec in field_specs().values()}
-    spec = by_flag.get(flag)
-    if spec is not None and spec.kind is bool:
-        fix = f"{flag} is a switch: give it alone, with no value"
-    else:
-        fix = f"write it as '{spec.usage if spec else flag + ' VALUE'}'"
-    return ConfigError(f"{err.message} {_COMMAND_LINE} ({flag}): {fix}")
-
-
-def _looks_like_flag(arg: str) -> bool:
-    """``-x``/``--x`` but not a negative number such as ``-1e-3``."""
-    try:
-        float(arg)
-    except ValueError:
-        return arg.startswith("-")
-    return False
-
-
-def _unknown_argument(extras: list[str]) -> ConfigError:
-    """The first leftover argument: an unknown flag, or a value that follows no flag."""
-    first = extras[0]
-    if not _looks_like_flag(first):
-        return ConfigError(
-            f"unexpected value {_COMMAND_LINE} ({first!r}): every value must follow a flag that "
-            "takes it; check how many values the flag before it takes (see --help)"
-        )
-    flag, _, inline = first.partition("=")
-    value = inline or (extras[1] if len(extras) > 1 and not _looks_like_flag(extras[1]) else "")
-    close = difflib.get_close_matches(flag.replace("_", "-"), _known_flags(), n=1)
-    hint = f"did you mean {close[0]}?" if close else "run with --help to see every flag"
-    shown = f"{flag}={value}" if value else flag
-    return ConfigError(f"unknown flag {_COMMAND_LINE} ({shown}): {hint}")
-
-
 def _parse_command_line(argv: Sequence[str]) -> dict[str, Any]:
     """Flags actually given -> raw values (strings, string lists, True for switches)."""
-    try:
-        namespace, extras = build_parser().parse_known_args(list(argv))
-    except argparse.ArgumentError as err:
-        raise _argument_error(err) from None
-    if extras:
-        raise _unknown_argument(extras)
-    return vars(namespace)
+    return vars(build_parser().parse(argv))
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -382,5 +318,5 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if config_path is not None:
         source = f"in config file {config_path}"
         values.update(_coerce_all(read_config_file(config_path), source))
-    values.update(_coerce_all(given, _COMMAND_LINE))
+    values.update(_coerce_all(given, COMMAND_LINE))
     return _assemble(values)

@@ -10,28 +10,32 @@ a group's members disagree, who waits for whom, and the likely culprits by globa
 
 from __future__ import annotations
 
-import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron3d.cli import OneLineParser, run_tool  # noqa: E402
+from megatron3d.errors import ConfigError, DataError  # noqa: E402
 from megatron3d.training.hang_report import analyse, format_report, load_dumps  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_tool(_run, argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("dump_dir", type=Path, help="the directory holding rank-XXXXX.txt dumps")
-    args = p.parse_args(argv)
+    args = p.parse(argv)
     if not args.dump_dir.is_dir():
-        sys.stderr.write(f"error: {args.dump_dir} is not a directory: pass the job's "
-                         "--hang-dump-dir (default SAVE/hang)\n")
-        return 2
+        raise ConfigError(f"{args.dump_dir} is not a directory: pass the job's "
+                          "--hang-dump-dir (default SAVE/hang)")
     dumps, notes = load_dumps(args.dump_dir)
     if not dumps:
-        sys.stderr.write(f"error: no readable rank-XXXXX.txt dump in {args.dump_dir}"
-                         + (f" ({'; '.join(notes)})" if notes else "") + "\n")
-        return 2
+        raise DataError(f"no readable rank-XXXXX.txt dump in {args.dump_dir}"
+                        + (f" ({'; '.join(notes)})" if notes else ""))
     sys.stdout.write(format_report(analyse(dumps), notes) + "\n")
     return 0
 

@@ -14,52 +14,62 @@ also prints the blend's per-source samples and epochs (what ``--dry-run-data`` s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron3d.cli import OneLineParser, add_int, run_tool  # noqa: E402
 from megatron3d.data.blended_dataset import format_report  # noqa: E402
 from megatron3d.data.builder import DEFAULT_SPLIT, build_datasets, dry_run_report  # noqa: E402
-from megatron3d.errors import Megatron3dError  # noqa: E402
+from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
+from megatron3d.ranges import SAMPLES, SEED, SIZE, Range  # noqa: E402
 
 logger = get_logger("prepare_data_cache")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The training run's data flags, with the bounds pretrain_gpt.py puts on them."""
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...")
     p.add_argument("--data-path-file", help="a file holding the --data-path words")
     p.add_argument("--split", default=DEFAULT_SPLIT)
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--train-samples", type=int, required=True)
-    p.add_argument("--valid-samples", type=int, default=0)
-    p.add_argument("--test-samples", type=int, default=0)
+    add_int(p, "--seq-length", SIZE, "Tokens per training sample.", required=True)
+    add_int(p, "--seed", SEED, "The training run's seed.", default=1234)
+    add_int(p, "--train-samples", SAMPLES, "Training samples the run asks for.", required=True)
+    for split in ("valid", "test"):
+        add_int(p, f"--{split}-samples", Range(0, SAMPLES.high),
+                f"{split.capitalize()} samples the run asks for.", default=0)
     p.add_argument("--data-cache-path", help="default: index-cache beside the first dataset")
     p.add_argument("--dry-run-data", action="store_true",
                    help="only print the per-source report; build nothing")
-    return p.parse_args(argv)
+    return p.parse(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_tool(_run, argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     setup_logging(0, 0)
+    if args.data_cache_path is not None and os.path.exists(args.data_cache_path) \
+            and not os.path.isdir(args.data_cache_path):
+        raise ConfigError(f"--data-cache-path {args.data_cache_path!r} is a file; give a "
+                          "directory (it is created when missing)")
     common = {"data_path": args.data_path, "data_path_file": args.data_path_file,
               "split": args.split, "seq_length": args.seq_length,
               "train_samples": args.train_samples, "valid_samples": args.valid_samples,
               "test_samples": args.test_samples}
     start = time.perf_counter()
-    try:
-        for split, rows in dry_run_report(**common).items():
-            logger.info(format_report(split, rows))
-        if not args.dry_run_data:
-            build_datasets(**common, seed=args.seed, data_cache_path=args.data_cache_path)
-    except Megatron3dError as err:
-        sys.stderr.write(f"error: {err}\n")
-        return 2
+    for split, rows in dry_run_report(**common).items():
+        logger.info(format_report(split, rows))
+    if not args.dry_run_data:
+        build_datasets(**common, seed=args.seed, data_cache_path=args.data_cache_path)
     logger.info("done in %.1fs", time.perf_counter() - start)
     return 0
 

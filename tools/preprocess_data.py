@@ -12,17 +12,27 @@ them, reusing finished ones when rerun after a crash.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron3d.cli import (  # noqa: E402
+    OneLineParser,
+    add_float,
+    add_int,
+    check_output_path,
+    run_tool,
+)
 from megatron3d.data.preprocess import PreprocessJob, preprocess  # noqa: E402
 from megatron3d.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec  # noqa: E402
-from megatron3d.errors import Megatron3dError  # noqa: E402
+from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
+from megatron3d.ranges import AT_LEAST_ONE, POSITIVE, VOCABULARY  # noqa: E402
 
 logger = get_logger("preprocess_data")
 
@@ -35,19 +45,25 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vocab-file", help="GPT-2 vocab.json")
     group.add_argument("--merge-file", help="GPT-2 merges.txt")
     group.add_argument("--tokenizer-name-or-path", help="local Hugging Face tokenizer dir/file")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
+    add_int(group, "--vocab-size", VOCABULARY, "NullTokenizer vocabulary size.")
 
 
 def tokenizer_spec(args: argparse.Namespace) -> TokenizerSpec:
-    return TokenizerSpec(tokenizer_type=args.tokenizer_type,
+    """The tokenizer the flags name; ConfigError for a flag this tokenizer type ignores."""
+    spec = TokenizerSpec(tokenizer_type=args.tokenizer_type,
                          tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
                          merge_file=args.merge_file,
                          tokenizer_name_or_path=args.tokenizer_name_or_path,
                          vocab_size=args.vocab_size)
+    unused = spec.unused_flags()
+    if unused:
+        raise ConfigError(f"--tokenizer-type {spec.tokenizer_type} does not use {unused[0]}; "
+                          f"drop {unused[0]} or pick the tokenizer type it belongs to")
+    return spec
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", required=True, help="JSONL file, one document per line")
     p.add_argument("--json-keys", nargs="+", default=["text"],
                    help="keys to tokenize; one output dataset per key")
@@ -56,13 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append the end-of-document token to every document")
     p.add_argument("--dtype", choices=["uint16", "int32", "int64"],
                    help="token dtype; default uint16 below 65500 tokens, else int32")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    p.add_argument("--partitions", type=int, default=1,
-                   help="cut the input into this many slices written separately, then merged")
-    p.add_argument("--chunk-mb", type=float, default=1.0, help="input MB per worker task")
+    add_int(p, "--workers", AT_LEAST_ONE, "Tokenizer processes.", default=1)
+    add_int(p, "--partitions", AT_LEAST_ONE, "Cut the input into this many slices written "
+            "separately, then merged.", default=1)
+    add_float(p, "--chunk-mb", POSITIVE, "Input MB per worker task.", default=1.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_tokenizer_args(p)
-    return p.parse_args(argv)
+    return p.parse(argv)
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -83,27 +99,28 @@ def _progress_bar(total: int, enabled: bool):
     return bar, update
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_tool(_run, argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     setup_logging(0, 0)
+    check_output_path(args.output_prefix, "--output-prefix", prefix=True)
     job = PreprocessJob(input=args.input, output_prefix=args.output_prefix,
                         tokenizer=tokenizer_spec(args), json_keys=tuple(args.json_keys),
                         append_eod=args.append_eod, dtype=args.dtype,
-                        chunk_bytes=max(1, int(args.chunk_mb * 1e6)))
+                        chunk_bytes=math.ceil(args.chunk_mb * 1e6))
     start = time.perf_counter()
+    exists = os.path.isfile(args.input)  # else preprocess says so, with no empty bar
+    total = os.path.getsize(args.input) if exists else 0
+    bar, update = _progress_bar(total, exists and not args.no_progress)
     try:
-        exists = os.path.isfile(args.input)  # else preprocess says so, with no empty bar
-        total = os.path.getsize(args.input) if exists else 0
-        bar, update = _progress_bar(total, exists and not args.no_progress)
-        try:
-            outputs = preprocess(job, workers=args.workers, partitions=args.partitions,
-                                 progress=update)
-        finally:
-            if bar is not None:
-                bar.close()
-    except Megatron3dError as err:
-        sys.stderr.write(f"error: {err}\n")
-        return 2
+        outputs = preprocess(job, workers=args.workers, partitions=args.partitions,
+                             progress=update)
+    finally:
+        if bar is not None:
+            bar.close()
     logger.info("wrote %s in %.1fs", ", ".join(f"{o}.bin/.idx" for o in outputs),
                 time.perf_counter() - start)
     return 0

@@ -8,27 +8,40 @@ on every machine with the same Python version. Used by the quickstart.
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron3d.cli import OneLineParser, add_float, check_output_path, run_tool  # noqa: E402
 from megatron3d.data.corpus import stdlib_documents, write_jsonl  # noqa: E402
+from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
+from megatron3d.ranges import POSITIVE  # noqa: E402
 
 logger = get_logger("stdlib_corpus")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_tool(_run, argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", required=True, help="JSONL file to write")
-    p.add_argument("--max-mb", type=float, default=None,
-                   help="stop before the text exceeds this many MB (default: all files)")
-    args = p.parse_args(argv)
+    add_float(p, "--max-mb", POSITIVE, "Stop before the text exceeds this many MB "
+              "(default: all files).")
+    args = p.parse(argv)
     setup_logging(0, 0)
-    limit = None if args.max_mb is None else int(args.max_mb * 1e6)
-    docs, nbytes = write_jsonl(stdlib_documents(limit), args.output)
+    check_output_path(args.output, "--output")
+    documents = stdlib_documents(None if args.max_mb is None else int(args.max_mb * 1e6))
+    first = next(documents, None)
+    if first is None:
+        raise ConfigError(f"--max-mb {args.max_mb} is below the first standard-library file; "
+                          "raise it (e.g. --max-mb 1)")
+    docs, nbytes = write_jsonl(itertools.chain([first], documents), args.output)
     logger.info("wrote %s: %d documents, %.1f MB", args.output, docs, nbytes / 1e6)
     return 0
 

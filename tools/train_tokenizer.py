@@ -12,45 +12,52 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron3d.cli import OneLineParser, add_float, add_int, check_output_path, run_tool  # noqa: E402
 from megatron3d.data.tokenizer import SentencePieceTokenizer  # noqa: E402
 from megatron3d.data.tokenizer_training import read_texts, train_sentencepiece  # noqa: E402
-from megatron3d.errors import Megatron3dError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
+from megatron3d.ranges import AT_LEAST_ONE, VOCABULARY, Range  # noqa: E402
 
 logger = get_logger("train_tokenizer")
 
+# SentencePiece's own limit: it refuses a coverage outside [0.98, 1].
+_COVERAGE = Range(0.98, 1.0)
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="JSONL or text files")
     p.add_argument("--input-format", choices=["auto", "jsonl", "text"], default="auto",
                    help="auto: .jsonl/.json files are JSONL, others plain text")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--vocab-size", type=int, default=8192)
+    add_int(p, "--vocab-size", VOCABULARY, "Pieces in the vocabulary.", default=8192)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    p.add_argument("--max-pieces", type=int, default=2_000_000,
-                   help="train on at most this many ~2000-character pieces of the input")
-    p.add_argument("--character-coverage", type=float, default=0.9995)
-    return p.parse_args(argv)
+    add_int(p, "--max-pieces", AT_LEAST_ONE, "Train on at most this many ~2000-character "
+            "pieces of the input.", default=2_000_000)
+    add_float(p, "--character-coverage", _COVERAGE, "Share of characters the vocabulary "
+              "covers.", default=0.9995)
+    return p.parse(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_tool(_run, argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     setup_logging(0, 0)
+    texts = read_texts(args.input, args.json_keys, args.input_format)
+    check_output_path(args.model_prefix, "--model-prefix", prefix=True)
     start = time.perf_counter()
-    try:
-        texts = read_texts(args.input, args.json_keys, args.input_format)
-        model = train_sentencepiece(texts, args.model_prefix, args.vocab_size, args.model_type,
-                                    args.max_pieces, args.character_coverage)
-        tokenizer = SentencePieceTokenizer(model)
-    except Megatron3dError as err:
-        sys.stderr.write(f"error: {err}\n")
-        return 2
+    model = train_sentencepiece(texts, args.model_prefix, args.vocab_size, args.model_type,
+                                args.max_pieces, args.character_coverage)
+    tokenizer = SentencePieceTokenizer(model)
     logger.info("wrote %s: vocab %d, eod %d, in %.1fs", model, tokenizer.vocab_size,
                 tokenizer.eod, time.perf_counter() - start)
     return 0

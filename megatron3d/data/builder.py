@@ -23,7 +23,7 @@ from megatron3d.data.blended_dataset import (
     draws_per_source,
     normalise_weights,
 )
-from megatron3d.data.gpt_dataset import GPTDataset
+from megatron3d.data.gpt_dataset import GPTDataset, require_token_dtype
 from megatron3d.data.index_cache import IndexCache
 from megatron3d.data.indexed_dataset import IndexedDataset
 from megatron3d.errors import ConfigError
@@ -118,6 +118,14 @@ def default_cache_dir(sources: DataSources) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(sources.prefixes[0])), "index-cache")
 
 
+def _open_token_datasets(sources: DataSources) -> list[IndexedDataset]:
+    """Every source, opened and checked to hold token ids, before any index is built."""
+    datasets = [IndexedDataset(p) for p in sources.prefixes]
+    for ds in datasets:
+        require_token_dtype(ds)
+    return datasets
+
+
 def build_datasets(*, data_path: Sequence[str] | str | None, seq_length: int, seed: int,
                    train_samples: int, valid_samples: int = 0, test_samples: int = 0,
                    data_path_file: str | None = None, split: str = DEFAULT_SPLIT,
@@ -130,7 +138,7 @@ def build_datasets(*, data_path: Sequence[str] | str | None, seq_length: int, se
     wait up to ``cache_timeout_s``. ``vocab_size`` enables the per-batch token-range check.
     """
     sources = parse_data_path(data_path, data_path_file)
-    datasets = [IndexedDataset(p) for p in sources.prefixes]
+    datasets = _open_token_datasets(sources)
     ranges = [split_ranges(len(ds), parse_split(split)) for ds in datasets]
     cache = IndexCache(data_cache_path or default_cache_dir(sources), timeout_s=cache_timeout_s)
     logger.info("building datasets: %d train, %d valid, %d test samples of %d tokens, seed %d, "
@@ -169,7 +177,7 @@ def dry_run_report(*, data_path: Sequence[str] | str | None, seq_length: int,
                    split: str = DEFAULT_SPLIT) -> dict[str, list[SourceReport]]:
     """Per split and source: weight, samples drawn and implied epochs. Writes no files."""
     sources = parse_data_path(data_path, data_path_file)
-    datasets = [IndexedDataset(p) for p in sources.prefixes]
+    datasets = _open_token_datasets(sources)
     ranges = [split_ranges(len(ds), parse_split(split)) for ds in datasets]
     report = {}
     for i, (name, wanted) in enumerate(zip(SPLITS, (train_samples, valid_samples, test_samples),

@@ -13,13 +13,12 @@ built once from ``unicodedata`` (categories L* and N*).
 from __future__ import annotations
 
 import functools
-import json
 import re
 import sys
 import unicodedata
 from collections.abc import Sequence
 
-from megatron3d.data.tokenizer import Tokenizer, _require_file
+from megatron3d.data.tokenizer import Tokenizer, _read_json, _require_file
 from megatron3d.errors import ConfigError
 
 EOD_TOKEN = "<|endoftext|>"
@@ -131,17 +130,21 @@ class ByteLevelBPE:
 
 def read_merges(path: str) -> list[tuple[str, str]]:
     """``merges.txt``: an optional ``#version`` line, then one space-separated pair per line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it as a GPT-2 merges.txt ({exc}); give the "
+                          "UTF-8 merges file saved with the vocab.json") from None
     merges = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line or (number == 1 and line.startswith("#version")):
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise ConfigError(f"{path}:{number}: expected two symbols separated by one "
-                                  f"space, got {line!r}; is this a GPT-2 merges.txt?")
-            merges.append((parts[0], parts[1]))
+    for number, line in enumerate(lines, 1):
+        if not line or (number == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise ConfigError(f"{path}:{number}: expected two symbols separated by one "
+                              f"space, got {line!r}; is this a GPT-2 merges.txt?")
+        merges.append((parts[0], parts[1]))
     return merges
 
 
@@ -151,8 +154,10 @@ class GPT2BPETokenizer(Tokenizer):
     def __init__(self, vocab_file: str, merge_file: str) -> None:
         _require_file(vocab_file, "--vocab-file")
         _require_file(merge_file, "--merge-file")
-        with open(vocab_file, encoding="utf-8") as f:
-            vocab = json.load(f)
+        vocab = _read_json(vocab_file, "a GPT-2 vocab.json")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
+            raise ConfigError(f"{vocab_file}: every value of a GPT-2 vocab.json must be a "
+                              "token id (a whole number); is this a GPT-2 vocab.json?")
         if EOD_TOKEN not in vocab:
             raise ConfigError(f"{vocab_file}: no {EOD_TOKEN} token; is this a GPT-2 vocab.json?")
         self._bpe = ByteLevelBPE(vocab, read_merges(merge_file))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from megatron3d.data.index_cache import IndexCache, dataset_identity
-from megatron3d.data.indexed_dataset import IndexedDataset
+from megatron3d.data.indexed_dataset import IndexedDataset, index_file_path
 from megatron3d.data.sample_index import (
     FORMAT_VERSION,
     SampleIndex,
@@ -30,6 +30,15 @@ from megatron3d.log import get_logger
 logger = get_logger(__name__)
 
 
+def require_token_dtype(indexed: IndexedDataset) -> None:
+    """Refuse a float dataset: its values are no token ids, and reading them as ids would
+    silently truncate them. (The indexed format itself may hold floats.)"""
+    if indexed.dtype.kind not in "iu":
+        raise DataError(f"{index_file_path(indexed.prefix)}: dtype {indexed.dtype} is not a "
+                        "token dtype (a GPT model reads integer token ids); re-create the "
+                        "dataset from the text with tools/preprocess_data.py")
+
+
 class GPTDataset:
     """Samples of ``seq_length + 1`` tokens from documents ``[first, last)`` of ``indexed``.
 
@@ -42,6 +51,7 @@ class GPTDataset:
     def __init__(self, indexed: IndexedDataset, documents: range, *, name: str,
                  seq_length: int, num_samples: int, seed: int, cache: IndexCache,
                  vocab_size: int | None = None) -> None:
+        require_token_dtype(indexed)
         if not 0 <= documents.start <= documents.stop <= len(indexed):
             raise DataError(f"{indexed.prefix}: document range {documents} outside the "
                             f"dataset's {len(indexed)} documents")

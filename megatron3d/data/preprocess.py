@@ -30,7 +30,7 @@ import numpy as np
 from megatron3d.data.indexed_builder import IndexedDatasetBuilder, best_dtype, merge_datasets
 from megatron3d.data.indexed_dataset import data_file_path, index_file_path
 from megatron3d.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer
-from megatron3d.errors import DataError
+from megatron3d.errors import ConfigError, DataError
 from megatron3d.log import get_logger
 
 logger = get_logger(__name__)
@@ -103,21 +103,31 @@ def _tokenize_chunk(chunk: _Chunk) -> _ChunkResult:
     with open(job.input, "rb") as f:
         f.seek(chunk.start)
         data = f.read(chunk.end - chunk.start)
-    documents, offset = 0, chunk.start
+    starts, offset = [], chunk.start  # starts: byte offset of each document's line
     for line in data.splitlines(keepends=True):
         if line.strip():
             record = _parse(line, job, offset)
             for key in job.json_keys:
-                tokens = tok.tokenize(_text(record, key, job, offset))
+                tokens = _tokenize(tok, _text(record, key, job, offset), job, offset)
                 if job.append_eod:
                     tokens.append(tok.eod)
                 ids[key].extend(tokens)
                 lengths[key].append(len(tokens))
-            documents += 1
+            starts.append(offset)
         offset += len(line)
-    return _ChunkResult(tokens={k: _as_tokens(v, dtype, job) for k, v in ids.items()},
-                        lengths={k: np.asarray(v, dtype=np.int64) for k, v in lengths.items()},
-                        documents=documents, nbytes=chunk.end - chunk.start)
+    sizes = {k: np.asarray(v, dtype=np.int64) for k, v in lengths.items()}
+    return _ChunkResult(
+        tokens={k: _as_tokens(v, sizes[k], starts, tok.vocab_size, dtype, job)
+                for k, v in ids.items()},
+        lengths=sizes, documents=len(starts), nbytes=chunk.end - chunk.start)
+
+
+def _tokenize(tok: Tokenizer, text: str, job: PreprocessJob, offset: int) -> list[int]:
+    """``tok.tokenize``, with the input line named when the tokenizer refuses the text."""
+    try:
+        return tok.tokenize(text)
+    except DataError as exc:
+        raise DataError(f"{job.input}: the line at byte {offset}: {exc}") from None
 
 
 def _parse(line: bytes, job: PreprocessJob, offset: int) -> dict:
@@ -142,23 +152,31 @@ def _text(record: dict, key: str, job: PreprocessJob, offset: int) -> str:
     return text
 
 
-def _as_tokens(ids: list[int], dtype: np.dtype, job: PreprocessJob) -> np.ndarray:
+def _as_tokens(ids: list[int], lengths: np.ndarray, starts: list[int], vocab_size: int,
+               dtype: np.dtype, job: PreprocessJob) -> np.ndarray:
+    """A chunk's ids as ``dtype``, each checked to lie in ``[0, vocab_size)`` (one vectorised
+    min/max; ``preprocess`` made sure the vocabulary fits ``dtype``): an id outside it would be
+    written wrapped, or crash the embedding much later."""
     values = np.asarray(ids, dtype=np.int64)
-    info = np.iinfo(dtype)
-    if values.size and (values.min() < info.min or values.max() > info.max):
-        raise DataError(f"{job.output_prefix}: token id {int(values.max())} does not fit "
-                        f"{dtype}; pass --dtype int32")
+    if values.size and (values.min() < 0 or values.max() >= vocab_size):
+        first = int(np.flatnonzero((values < 0) | (values >= vocab_size))[0])
+        doc = int(np.searchsorted(np.cumsum(lengths), first, side="right"))
+        raise DataError(f"{job.input}: the line at byte {starts[doc]} gives token id "
+                        f"{int(values[first])}, outside the tokenizer's vocabulary "
+                        f"[0, {vocab_size}); its files disagree (e.g. a vocab.json id beyond "
+                        "its size): fix or replace the tokenizer")
     return values.astype(dtype)
 
 
 def preprocess(job: PreprocessJob, workers: int = 1, partitions: int = 1,
                progress: Progress | None = None) -> list[str]:
-    """Tokenize ``job.input``; return the output prefix of each JSON key."""
-    if not os.path.isfile(job.input):
-        raise DataError(f"{job.input}: input file not found; pass an existing JSONL file "
-                        "as --input")
-    vocab_size = _tokenizer(job.tokenizer).vocab_size
-    job = dataclasses.replace(job, dtype=np.dtype(job.dtype or best_dtype(vocab_size)).name)
+    """Tokenize ``job.input``; return the output prefix of each JSON key.
+
+    Bad input (a missing input, a tokenizer that cannot load, a ``dtype`` too narrow for the
+    vocabulary) is refused before any work; a bad line, with its byte offset, when met.
+    """
+    _check_input(job)
+    job = dataclasses.replace(job, dtype=_token_dtype(job, _tokenizer(job.tokenizer)).name)
     slices = line_aligned_bounds(job.input, 0, os.path.getsize(job.input),
                                  -(-os.path.getsize(job.input) // max(partitions, 1)))
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) \
@@ -173,6 +191,36 @@ def preprocess(job: PreprocessJob, workers: int = 1, partitions: int = 1,
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     return [job.key_prefix(k) for k in job.json_keys]
+
+
+def _check_input(job: PreprocessJob) -> None:
+    if not os.path.isfile(job.input):
+        raise DataError(f"{job.input}: input file not found; pass an existing JSONL file "
+                        "as --input")
+    try:
+        with open(job.input, "rb"):
+            pass
+    except OSError as exc:
+        raise DataError(f"{job.input}: cannot read the input ({exc.strerror}); pass a "
+                        "readable JSONL file as --input") from None
+    repeated = sorted({k for k in job.json_keys if job.json_keys.count(k) > 1})
+    if repeated:
+        raise ConfigError(f"--json-keys names {repeated[0]!r} twice; each key writes one "
+                          "dataset, so list it once")
+
+
+def _token_dtype(job: PreprocessJob, tok: Tokenizer) -> np.dtype:
+    """``job.dtype`` (default: the narrowest for the vocabulary); it must hold every id."""
+    dtype = np.dtype(job.dtype or best_dtype(tok.vocab_size))
+    if tok.vocab_size - 1 > np.iinfo(dtype).max:
+        raise ConfigError(f"--dtype {dtype} holds ids up to {np.iinfo(dtype).max}, but the "
+                          f"tokenizer has {tok.vocab_size} ids; pass --dtype int32 or leave "
+                          "--dtype out")
+    if job.append_eod and not 0 <= tok.eod < tok.vocab_size:
+        raise ConfigError(f"the tokenizer's end-of-document id {tok.eod} is outside its "
+                          f"vocabulary [0, {tok.vocab_size}); fix the tokenizer files or drop "
+                          "--append-eod")
+    return dtype
 
 
 def _results(job: PreprocessJob, slices: list[tuple[int, int]],

@@ -11,10 +11,10 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
-from megatron3d.errors import ConfigError
+from megatron3d.errors import ConfigError, DataError
 
 TokenizerType = Literal["SentencePieceTokenizer", "PretrainedFromHF", "GPT2BPETokenizer",
                         "NullTokenizer"]
@@ -47,6 +47,8 @@ class NullTokenizer(Tokenizer):
     """
 
     def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ConfigError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
         self._size = vocab_size
 
     @property
@@ -58,7 +60,20 @@ class NullTokenizer(Tokenizer):
         return self._size
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(word) for word in text.split()]
+        """DataError for a word that is not an id in ``[0, vocab_size)``: it is bad input, and
+        a wrapped or negative id must never reach a dataset."""
+        ids = []
+        for word in text.split():
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise DataError(f"NullTokenizer: word {word[:40]!r} is not a token id; its text "
+                                "must be whitespace-separated whole numbers") from None
+        bad = [i for i in (min(ids, default=0), max(ids, default=0)) if not 0 <= i < self._size]
+        if bad:
+            raise DataError(f"NullTokenizer: token id {bad[0]} is outside [0, {self._size}) "
+                            f"(--vocab-size {self._size}); fix the id or raise --vocab-size")
+        return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -71,7 +86,12 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
 
         _require_file(model_file, "--tokenizer-model")
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as exc:
+            raise ConfigError(f"--tokenizer-model {model_file!r} is not a SentencePiece model "
+                              f"({_first_line(exc)}); give the .model file "
+                              "tools/train_tokenizer.py wrote") from None
         if self._sp.eos_id() < 0:
             raise ConfigError(f"{model_file}: the SentencePiece model has no end-of-sentence "
                               "token; retrain it with eos_id set (tools/train_tokenizer.py does)")
@@ -114,15 +134,19 @@ class HFTokenizer(Tokenizer):
             raise ConfigError(f"--tokenizer-name-or-path {name_or_path!r}: no tokenizer.json "
                               "there; give a local directory or file holding a fast tokenizer "
                               "(models are never downloaded: fetch it first)")
-        self._tok = tokenizers.Tokenizer.from_file(path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as exc:  # the Rust binding raises a bare Exception
+            raise ConfigError(f"--tokenizer-name-or-path {name_or_path!r}: {path} is not a "
+                              f"fast tokenizer file ({_first_line(exc)}); give the "
+                              "tokenizer.json saved with the model") from None
         self._eod = self._find_eod(directory, path)
 
     def _find_eod(self, directory: str, path: str) -> int:
         names = list(_EOS_NAMES)
         config = os.path.join(directory, "tokenizer_config.json")
         if os.path.isfile(config):
-            with open(config) as f:
-                eos = json.load(f).get("eos_token")
+            eos = _read_json(config, "tokenizer_config.json").get("eos_token")
             if isinstance(eos, dict):
                 eos = eos.get("content")
             if eos:
@@ -160,6 +184,18 @@ class TokenizerSpec:
     tokenizer_name_or_path: str | None = None
     vocab_size: int | None = None  # NullTokenizer only
 
+    def unused_flags(self) -> list[str]:
+        """Flags given that this tokenizer type ignores: a caller refuses them rather than
+        silently ignoring, e.g., a --vocab-file meant for another tokenizer."""
+        used = _USES.get(self.tokenizer_type, ())
+        return ["--" + f.name.replace("_", "-") for f in fields(self)
+                if f.name not in ("tokenizer_type", *used) and getattr(self, f.name) is not None]
+
+
+_USES = {"SentencePieceTokenizer": ("tokenizer_model",),
+         "PretrainedFromHF": ("tokenizer_name_or_path",),
+         "GPT2BPETokenizer": ("vocab_file", "merge_file"), "NullTokenizer": ("vocab_size",)}
+
 
 def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     """The tokenizer ``spec`` names; ``ConfigError`` when a flag it needs is missing."""
@@ -177,6 +213,24 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
         return NullTokenizer(_need(spec.vocab_size, "--vocab-size", kind))
     raise ConfigError(f"unknown --tokenizer-type {kind!r}; expected one of "
                       f"{', '.join(TOKENIZER_TYPES)}")
+
+
+def _read_json(path: str, what: str) -> dict:
+    """A JSON object from a tokenizer file; ConfigError when it is unreadable or not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it as {what} ({_first_line(exc)}); give the "
+                          "file saved with the tokenizer") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: {what} must hold a JSON object, found a "
+                          f"{type(data).__name__}; give the file saved with the tokenizer")
+    return data
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _need(value, flag: str, kind: str):

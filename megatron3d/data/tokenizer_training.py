@@ -24,30 +24,45 @@ def read_texts(paths: Sequence[str], json_keys: Sequence[str] = ("text",),
     """Texts from JSONL (values of ``json_keys``) or plain text files (each file one text).
 
     ``input_format`` "auto" takes ``.jsonl``/``.json`` files as JSONL, everything else as text.
+    A missing input is refused here, before training starts; a bad line when it is read.
     """
     for path in paths:
         if not os.path.isfile(path):
             raise DataError(f"{path}: input file not found; pass existing files as --input")
+    return _texts(paths, json_keys, input_format)
+
+
+def _texts(paths: Sequence[str], json_keys: Sequence[str], input_format: str) -> Iterator[str]:
+    for path in paths:
         jsonl = input_format == "jsonl" or (
             input_format == "auto" and path.endswith((".jsonl", ".json")))
-        if not jsonl:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
-            continue
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{number}: invalid JSON ({exc}); fix the line or "
-                                    "pass --input-format text") from None
-                for key in json_keys:
-                    if not isinstance(record.get(key), str):
-                        raise DataError(f"{path}:{number}: no string value for key {key!r}; "
-                                        "pass the right --json-keys")
-                    yield record[key]
+        try:
+            if jsonl:
+                yield from _jsonl_texts(path, json_keys)
+            else:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    yield f.read()
+        except OSError as exc:
+            raise DataError(f"{path}: cannot read it ({exc.strerror}); pass readable files "
+                            "as --input") from None
+
+
+def _jsonl_texts(path: str, json_keys: Sequence[str]) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:  # invalid JSON, or bytes that are not UTF-8
+                raise DataError(f"{path}:{number}: invalid JSON ({exc}); fix the line or "
+                                "pass --input-format text") from None
+            for key in json_keys:
+                if not isinstance(record, dict) or not isinstance(record.get(key), str):
+                    raise DataError(f"{path}:{number}: no string value for key {key!r}; "
+                                    "pass the right --json-keys (each line must be a JSON "
+                                    "object)")
+                yield record[key]
 
 
 def pieces(texts: Iterable[str], piece_chars: int = _PIECE_CHARS) -> Iterator[str]:
@@ -82,6 +97,11 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
 
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     feed = itertools.islice(pieces(texts), max_pieces)
+    first = next(feed, None)
+    if first is None:  # SentencePiece's own message for this is an internal check
+        raise DataError(f"{model_prefix}: the input holds no text to train on; pass --input "
+                        "files with text (and the right --json-keys)")
+    feed = itertools.chain([first], feed)
     try:
         sentencepiece.SentencePieceTrainer.train(
             sentence_iterator=feed, model_prefix=model_prefix, vocab_size=vocab_size,
@@ -92,6 +112,6 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
             unk_id=0, bos_id=1, eos_id=2, pad_id=-1, input_sentence_size=0,
             shuffle_input_sentence=False, num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as exc:
-        raise DataError(f"{model_prefix}: SentencePiece training failed ({exc}); with little "
-                        "text, lower --vocab-size") from None
+        raise DataError(f"{model_prefix}: SentencePiece training failed ({exc}); change "
+                        "--vocab-size as the message says (lower it for little text)") from None
     return model_prefix + ".model"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron3d.data.builder import build_datasets, parse_split, split_ranges
+from megatron3d.data.builder import build_datasets, dry_run_report, parse_split, split_ranges
 from megatron3d.data.gpt_dataset import GPTDataset
 from megatron3d.data.index_cache import IndexCache
 from megatron3d.data.indexed_builder import IndexedDatasetBuilder
@@ -124,6 +124,25 @@ def test_negative_tokens_are_errors(tmp_path):
                         seed=1, cache=IndexCache(None), vocab_size=10_000)
     with pytest.raises(DataError, match="token id -3 is outside the vocabulary of 10000"):
         strict.samples(0, 4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_float_dataset_is_not_read_as_tokens(tmp_path, dtype):
+    """Floats would be truncated to ids silently: refused wherever GPT samples are built."""
+    with IndexedDatasetBuilder(str(tmp_path / "f"), dtype) as builder:
+        builder.add_document(np.linspace(0.5, 30.5, 4 * SEQ))
+        builder.finalize()
+    data = IndexedDataset(str(tmp_path / "f"))
+    assert data.dtype == dtype and data[0][0] == 0.5  # the container still reads floats
+    match = rf"f.idx: dtype {np.dtype(dtype).name} is not a token dtype.*tools/preprocess_data"
+    with pytest.raises(DataError, match=match):
+        dataset(data, 4)
+    flags = {"data_path": str(tmp_path / "f"), "seq_length": SEQ, "train_samples": 4}
+    with pytest.raises(DataError, match=match):
+        build_datasets(**flags, seed=1, data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=match):
+        dry_run_report(**flags)
+    assert not (tmp_path / "cache").exists()  # refused before any index was built
 
 
 def test_split_parsing_and_sizes():

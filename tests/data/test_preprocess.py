@@ -17,7 +17,7 @@ from megatron3d.data.indexed_dataset import IndexedDataset
 from megatron3d.data.preprocess import PreprocessJob, line_aligned_bounds, preprocess
 from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
 from megatron3d.data.tokenizer_training import train_sentencepiece
-from megatron3d.errors import DataError
+from megatron3d.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,6 +103,60 @@ def test_bad_input_lines(corpus, tmp_path):
     with pytest.raises(DataError, match="input file not found"):
         preprocess(PreprocessJob(input=str(tmp_path / "none"), output_prefix="o",
                                  tokenizer=null))
+    assert not list(tmp_path.glob("o*"))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("4 x", r"byte 16: NullTokenizer: word 'x' is not a token id"),
+    ("4 -1", r"byte 16: NullTokenizer: token id -1 is outside \[0, 10\)"),
+    ("4 10", r"byte 16: NullTokenizer: token id 10 is outside \[0, 10\)"),  # 10 is eod
+    ("4 99999999999999999999", r"byte 16: NullTokenizer: token id 99999999999999999999"),
+])
+def test_null_tokenizer_words_must_be_ids_in_the_vocabulary(tmp_path, text, message):
+    path = tmp_path / "ids.jsonl"
+    path.write_text('{"text": "1 2"}\n' + json.dumps({"text": text}) + "\n")
+    with pytest.raises(DataError, match=rf"ids.jsonl: the line at {message}"):
+        preprocess(PreprocessJob(input=str(path), output_prefix=str(tmp_path / "o"),
+                                 tokenizer=TokenizerSpec("NullTokenizer", vocab_size=10)))
+    assert not list(tmp_path.glob("o*"))
+
+
+class _Unchecked:
+    """A tokenizer whose ids are its text, unchecked: stands for inconsistent tokenizer files."""
+
+    vocab_size, eod = 10, 9
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(word) for word in text.split()]
+
+
+@pytest.mark.parametrize("bad", [10, -1, 70_000])
+def test_every_written_id_lies_in_the_vocabulary(tmp_path, monkeypatch, bad):
+    """The chunk check, for any tokenizer: an id outside [0, vocab) names the id and the byte
+    offset of its line, even where the dtype would silently wrap it."""
+    monkeypatch.setattr(preprocess_module, "_tokenizer", lambda spec: _Unchecked())
+    path = tmp_path / "ids.jsonl"
+    lines = ['{"text": "1 2"}\n', '{"text": ""}\n', json.dumps({"text": f"3 {bad} 4"}) + "\n"]
+    path.write_text("".join(lines))
+    job = PreprocessJob(input=str(path), output_prefix=str(tmp_path / "o"), append_eod=True,
+                        tokenizer=TokenizerSpec("NullTokenizer", vocab_size=1))
+    with pytest.raises(DataError, match=rf"the line at byte {len(lines[0]) + len(lines[1])} "
+                                        rf"gives token id {bad}, outside the tokenizer's "
+                                        r"vocabulary \[0, 10\)"):
+        preprocess(job)
+    assert not list(tmp_path.glob("o*"))
+    path.write_text('{"text": "0 8"}\n')
+    assert IndexedDataset(preprocess(job)[0])[0].tolist() == [0, 8, 9]
+
+
+def test_a_dtype_too_narrow_for_the_vocabulary_is_refused_before_work(tmp_path):
+    path = tmp_path / "ids.jsonl"
+    path.write_text('{"text": "1 2"}\n')
+    job = PreprocessJob(input=str(path), output_prefix=str(tmp_path / "o"), dtype="uint16",
+                        tokenizer=TokenizerSpec("NullTokenizer", vocab_size=70_000))
+    with pytest.raises(ConfigError, match="--dtype uint16 holds ids up to 65535, but the "
+                                          "tokenizer has 70001 ids; pass --dtype int32"):
+        preprocess(job)
     assert not list(tmp_path.glob("o*"))
 
 

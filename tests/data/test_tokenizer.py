@@ -138,3 +138,45 @@ def test_tokenizer_configuration_errors(tmp_path):
     with pytest.raises(ConfigError, match="no <\\|endoftext\\|> token"):
         build_tokenizer(TokenizerSpec("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
                                       merge_file=str(tmp_path / "merges.txt")))
+
+
+def test_unreadable_tokenizer_files_are_one_line_errors(tmp_path):
+    """Garbage where a tokenizer file should be: ConfigError naming the file, no traceback."""
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(ConfigError, match="bad.model' is not a SentencePiece model"):
+        build_tokenizer(TokenizerSpec("SentencePieceTokenizer",
+                                      tokenizer_model=str(tmp_path / "bad.model")))
+    (tmp_path / "merges.txt").write_text("")
+    gpt2 = TokenizerSpec("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                         merge_file=str(tmp_path / "merges.txt"))
+    for text, message in [("{oops", "cannot read it as a GPT-2 vocab.json"),
+                          ('["<|endoftext|>"]', "must hold a JSON object, found a list"),
+                          ('{"<|endoftext|>": "0"}', "every value .* must be a token id")]:
+        (tmp_path / "vocab.json").write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            build_tokenizer(gpt2)
+    (tmp_path / "vocab.json").write_text('{"<|endoftext|>": 0}')
+    (tmp_path / "merges.txt").write_bytes(b"\xff\xfe a b\n")
+    with pytest.raises(ConfigError, match="cannot read it as a GPT-2 merges.txt"):
+        build_tokenizer(gpt2)
+    pytest.importorskip("tokenizers", reason="the 'tokenizers' package is not installed")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="tokenizer.json is not a fast tokenizer file"):
+        build_tokenizer(TokenizerSpec("PretrainedFromHF", tokenizer_name_or_path=str(tmp_path)))
+
+
+def test_null_tokenizer_refuses_what_is_not_an_id():
+    tok = build_tokenizer(TokenizerSpec("NullTokenizer", vocab_size=10))
+    for text, message in [("1 two", "word 'two' is not a token id"),
+                          ("1 -1", r"token id -1 is outside \[0, 10\)"),
+                          ("10", r"token id 10 is outside \[0, 10\)")]:  # 10 is eod
+        with pytest.raises(DataError, match=message):
+            tok.tokenize(text)
+    with pytest.raises(ConfigError, match="--vocab-size >= 1, got 0"):
+        build_tokenizer(TokenizerSpec("NullTokenizer", vocab_size=0))
+
+
+def test_flags_a_tokenizer_type_ignores_are_named():
+    assert TokenizerSpec("NullTokenizer", vocab_size=5).unused_flags() == []
+    assert TokenizerSpec("SentencePieceTokenizer", tokenizer_model="m", vocab_file="v",
+                         vocab_size=5).unused_flags() == ["--vocab-file", "--vocab-size"]

@@ -1,0 +1,186 @@
+"""The tools keep pretrain_gpt.py's promise: bad input exits 2 with one ``error:`` line.
+
+Each tool's ``main(argv)`` runs in-process on bad input; stderr must be exactly one line
+starting with ``error: `` (no usage block, no traceback) naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from megatron3d.cli import OneLineParser, add_float, add_int, run_tool
+from megatron3d.data.indexed_builder import IndexedDatasetBuilder
+from megatron3d.errors import ConfigError, DataError, TrainingError
+from megatron3d.ranges import NON_NEGATIVE, SIZE
+from tests.helpers.tools import load_tool
+
+NAMES = ("preprocess_data", "train_tokenizer", "prepare_data_cache", "hang_report",
+         "stdlib_corpus")
+
+
+def tool(name: str) -> ModuleType:
+    return load_tool(f"{name}.py")
+
+
+@pytest.fixture(autouse=True)
+def workdir(tmp_path, monkeypatch):
+    """Small inputs in a fresh working directory: a JSONL corpus, a file where a directory
+    would go, a directory, a token dataset and a float one."""
+    monkeypatch.chdir(tmp_path)
+    root, before = logging.getLogger(), list(logging.getLogger().handlers)
+    Path("c.jsonl").write_text('{"text": "1 2 3"}\n{"text": "4 x"}\n')
+    Path("list.jsonl").write_text("[1, 2]\n")
+    Path("empty.jsonl").write_text("")
+    Path("f").write_text("a file")
+    Path("bad.model").write_text("not a model")
+    Path("d").mkdir()
+    for prefix, dtype in (("tokens", np.uint16), ("floats", np.float64)):
+        with IndexedDatasetBuilder(prefix, dtype) as builder:
+            builder.add_document(np.arange(40) % 7)
+            builder.finalize()
+    yield
+    for handler in [h for h in root.handlers if h not in before]:  # the tools' setup_logging
+        root.removeHandler(handler)  # bound them to this test's captured streams
+
+
+PRE = ["--output-prefix", "o", "--no-progress", "--input", "c.jsonl"]
+NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
+TOK = ["--input", "c.jsonl", "--model-prefix", "tok"]
+CACHE = ["--data-path", "tokens", "--seq-length", "8", "--train-samples", "4"]
+
+CASES = [
+    ("preprocess_data", [*PRE, *NULL, "--workers", "0"], "--workers='0'): expected a whole "
+     "number >= 1"),
+    ("preprocess_data", [*PRE, *NULL, "--partitions", "0"], "--partitions='0'"),
+    ("preprocess_data", [*PRE, *NULL, "--chunk-mb", "nan"], "--chunk-mb='nan'): expected a "
+     "finite number > 0"),
+    ("preprocess_data", [*PRE, *NULL, "--chunk-mb=inf"], "--chunk-mb='inf'"),
+    ("preprocess_data", [*PRE, "--tokenizer-type", "NullTokenizer", "--vocab-size", "-3"],
+     "--vocab-size='-3'): expected a whole number in [1, 2147483647]"),
+    ("preprocess_data", [*PRE, *NULL, "--worker", "2"], "(--worker=2): did you mean --workers?"),
+    ("preprocess_data", [*PRE, *NULL, "--workers"], "write it as '--workers INT'"),
+    ("preprocess_data", [*PRE, *NULL, "--no-progress=yes"], "--no-progress is a switch"),
+    ("preprocess_data", ["--output-prefix", "o", *NULL], "required: --input"),
+    ("preprocess_data", [*PRE, "--tokenizer-type", "Null"], "invalid choice: 'Null'"),
+    ("preprocess_data", [*PRE, "--tokenizer-type", "NullTokenizer"], "needs --vocab-size"),
+    ("preprocess_data", [*PRE, *NULL, "--vocab-file", "v.json"], "does not use --vocab-file"),
+    ("preprocess_data", [*PRE, "--tokenizer-type", "SentencePieceTokenizer",
+                         "--tokenizer-model", "none.model"], "'none.model': file not found"),
+    ("preprocess_data", [*PRE, "--tokenizer-type", "SentencePieceTokenizer",
+                         "--tokenizer-model", "bad.model"], "is not a SentencePiece model"),
+    ("preprocess_data", [*NULL, "--input", "none.jsonl", "--output-prefix", "o"],
+     "none.jsonl: input file not found"),
+    ("preprocess_data", [*NULL, "--input", "c.jsonl", "--output-prefix", "f/o"],
+     "f is a file, not a directory"),
+    ("preprocess_data", [*NULL, "--input", "c.jsonl", "--output-prefix", "d/"],
+     "names a directory"),
+    ("preprocess_data", [*PRE, *NULL, "--json-keys", "text", "text"], "'text' twice"),
+    ("preprocess_data", [*PRE, "--tokenizer-type", "NullTokenizer", "--vocab-size", "70000",
+                         "--dtype", "uint16"], "--dtype uint16 holds ids up to 65535"),
+    ("preprocess_data", [*PRE, *NULL], "the line at byte 18: NullTokenizer: word 'x'"),
+    ("train_tokenizer", [*TOK, "--vocab-size", "0"], "--vocab-size='0'"),
+    ("train_tokenizer", [*TOK, "--character-coverage", "nan"], "in [0.98, 1.0]"),
+    ("train_tokenizer", [*TOK, "--max-pieces", "-1"], "--max-pieces='-1'"),
+    ("train_tokenizer", [*TOK, "--model-type", "bpe", "--vocab-size", "1e3"], "'1e3'"),
+    ("train_tokenizer", ["--input", "none.txt", "--model-prefix", "tok"], "none.txt: input "
+     "file not found"),
+    ("train_tokenizer", ["--input", "c.jsonl", "--model-prefix", "f/tok"], "f is a file"),
+    ("train_tokenizer", ["--input", "list.jsonl", "--model-prefix", "tok"], "list.jsonl:1: no "
+     "string value for key 'text'"),
+    ("train_tokenizer", ["--input", "empty.jsonl", "--model-prefix", "tok"], "no text to "
+     "train on"),
+    ("prepare_data_cache", [*CACHE, "--seq-length", "0"], "--seq-length='0'"),
+    ("prepare_data_cache", [*CACHE, "--train-samples", "-5"], "--train-samples='-5'"),
+    ("prepare_data_cache", [*CACHE, "--seed", "-1"], "--seed='-1'"),
+    ("prepare_data_cache", [*CACHE, "--valid-samples", "nan"], "--valid-samples='nan'"),
+    ("prepare_data_cache", [*CACHE, "--data-cache-path", "f"], "--data-cache-path 'f' is a "
+     "file"),
+    ("prepare_data_cache", [*CACHE, "--split", "abc"], "invalid split"),
+    ("prepare_data_cache", [*CACHE, "--data-path", "none"], "none.bin: data file not found"),
+    ("prepare_data_cache", [*CACHE, "--data-path", "floats"], "floats.idx: dtype float64 is "
+     "not a token dtype"),
+    ("prepare_data_cache", ["--seq-length", "8", "--train-samples", "4"], "exactly one of"),
+    ("hang_report", [], "required: dump_dir"),
+    ("hang_report", ["f"], "f is not a directory"),
+    ("hang_report", ["d"], "no readable rank-XXXXX.txt dump in d"),
+    ("hang_report", ["d", "extra"], "unexpected value on the command line ('extra')"),
+    ("stdlib_corpus", ["--output", "d"], "--output 'd' names a directory"),
+    ("stdlib_corpus", ["--output", "f/c.jsonl"], "f is a file"),
+    ("stdlib_corpus", ["--output", "c.jsonl", "--max-mb", "nan"], "--max-mb='nan'"),
+    ("stdlib_corpus", ["--output", "c.jsonl", "--max-mb", "-1"], "--max-mb='-1'"),
+    ("stdlib_corpus", ["--outptu", "c.jsonl"], "required: --output"),
+]
+
+
+@pytest.mark.parametrize(("name", "argv", "expected"), CASES,
+                         ids=[f"{c[0]}:{' '.join(c[1][-2:])}" for c in CASES])
+def test_bad_input_exits_2_with_one_error_line(capsys, name, argv, expected):
+    code = tool(name).main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("error: ") and expected in err, err
+
+
+def test_nothing_is_written_for_refused_input(capsys):
+    tool("preprocess_data").main([*PRE, *NULL])
+    tool("stdlib_corpus").main(["--output", "out.jsonl", "--max-mb", "1e-9"])
+    assert "error: --max-mb 1e-09 is below the first standard-library file" in \
+        capsys.readouterr().err
+    assert not list(Path().glob("o_*")) and not Path("out.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help_prints_and_exits_0(capsys, name):
+    with pytest.raises(SystemExit) as info:
+        tool(name).main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--help" in out
+
+
+def test_good_input_still_works(capsys):
+    Path("ids.jsonl").write_text("".join(json.dumps({"text": f"{i} {i + 1}"}) + "\n"
+                                         for i in range(8)))
+    assert tool("preprocess_data").main([*NULL, "--input", "ids.jsonl", "--output-prefix",
+                                         "new/ids", "--workers", "1", "--chunk-mb", "1e-5",
+                                         "--no-progress"]) == 0
+    assert Path("new/ids_text_document.idx").is_file()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("error", "code"), [(DataError, 2), (TrainingError, 1)])
+def test_run_tool_prints_one_line(capsys, error, code):
+    def body(argv):
+        raise error(f"went wrong\nfor {argv}")
+    assert run_tool(body, ["x"]) == code
+    assert capsys.readouterr().err == "error: went wrong for ['x']\n"
+
+
+def test_number_flags_name_flag_value_and_range():
+    parser = OneLineParser()
+    add_int(parser, "--size", SIZE, "A size.", default=4)
+    add_float(parser, "--rate", NON_NEGATIVE, "A rate.", default=0.0)
+    args = parser.parse(["--size", "1_024", "--rate", "0"])
+    assert (args.size, args.rate) == (1024, 0.0)
+    for argv, message in [
+        (["--size", "2.0"], "(--size='2.0'): expected a whole number in [1, 1048576]"),
+        (["--size=1048577"], "(--size='1048577')"),
+        (["--size", "9" * 400], "(--size='999"),
+        (["--rate=-1e-3"], "(--rate='-1e-3'): expected a finite number >= 0"),
+        (["--rate", "-1"], "(--rate='-1')"),
+        (["--rate", "1e400"], "(--rate='1e400')"),
+        (["--rate=-inf"], "(--rate='-inf')"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            parser.parse(argv)
+        assert str(info.value).startswith(f"invalid value on the command line {message}")
+    with pytest.raises(ConfigError, match="starts with .-. to its flag: write --rate=-1e-3"):
+        parser.parse(["--rate", "-1e-3"])
+    assert "A size. Default: 4. Allowed: [1, 1048576]." in parser.format_help()
