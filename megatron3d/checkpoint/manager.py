@@ -118,8 +118,8 @@ def checkpoint_config(directory: Path) -> dict[str, Any]:
 
 
 def with_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
-    """--use-checkpoint-args: the model flags of the checkpoint in --load (activation
-    checkpointing stays this run's choice)."""
+    """--use-checkpoint-args: the model flags of the checkpoint in --load (how the model
+    runs, i.e. activation checkpointing and dropout, stays this run's choice)."""
     if not cfg.checkpoint.use_checkpoint_args:
         return cfg
     directory = find(cfg.checkpoint.load) if cfg.checkpoint.load else None
@@ -127,8 +127,10 @@ def with_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"--use-checkpoint-args needs a checkpoint in --load, found none in "
                           f"{cfg.checkpoint.load!r}: drop the flag or point --load at one")
     saved = dict(checkpoint_config(directory)["model"])
-    saved["checkpoint_activations"] = cfg.model.checkpoint_activations
-    return dataclasses.replace(cfg, model=ModelConfig(**saved))
+    saved.update({k: getattr(cfg.model, k) for k in RUN_ONLY_MODEL_FIELDS})
+    known = {f.name for f in dataclasses.fields(ModelConfig)}  # older checkpoints lack new ones
+    return dataclasses.replace(cfg, model=ModelConfig(**{k: v for k, v in saved.items()
+                                                         if k in known}))
 
 
 def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
@@ -153,7 +155,8 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
     reader = CheckpointReader(directory)
     meta = reader.meta
     check_model_matches(cfg, meta["config"])
-    kinds = ("weight",) if weights_only else KINDS
+    # Adam's moments are zero before its first step: converted checkpoints do not store them.
+    kinds = ("weight",) if weights_only or meta["adam_step"] == 0 else KINDS
     target = {k: torch.zeros(optimizer.shard.numel, dtype=torch.float32) for k in KINDS}
     for p in params:
         for kind in kinds:
@@ -168,12 +171,14 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
         return Progress(0, 0, 0, Progress.new_series())
     if optimizer.scaler is not None and meta["loss_scaler"] is not None:
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
-    if meta["layout"] == layout(cfg, state):
-        _restore_rng(rng, reader.files[state.world_rank]["rng"])
-    else:
-        logger.info("the checkpoint's layout %s differs from this run's %s: weights and "
-                    "optimizer state are resharded, dropout RNG streams start fresh",
-                    meta["layout"], layout(cfg, state))
+    saved_rng = reader.files[state.world_rank]["rng"] if meta["layout"] == layout(cfg, state) \
+        else None
+    if saved_rng is not None:
+        _restore_rng(rng, saved_rng)
+    else:  # another layout, or a converted checkpoint (no RNG states)
+        logger.info("the checkpoint (layout %s) holds no RNG states for this run's layout %s: "
+                    "weights and optimizer state are resharded, dropout RNG streams start "
+                    "fresh", meta["layout"], layout(cfg, state))
     return Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"],
                     io.series_of(meta))
 

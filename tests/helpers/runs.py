@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron3d.arguments import parse_args
+from megatron3d.checkpoint.manager import with_checkpoint_args
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState
@@ -29,7 +30,7 @@ class RunResult:
 
 def build(argv: list[str]) -> tuple[Trainer, ParallelState]:
     """The trainer ``pretrain_gpt.py argv`` would run, on the initialised process group."""
-    cfg = parse_args(argv)
+    cfg = with_checkpoint_args(parse_args(argv))
     validate(cfg, torch.distributed.get_world_size())
     state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                 cfg.parallel.pipeline_model_parallel_size)

@@ -1,0 +1,53 @@
+"""Write a checkpoint without a training run: converted weights as iteration 0.
+
+The result is an ordinary checkpoint in the layout-free chunk format: every logical tensor is
+one whole chunk in a single rank file, with no Adam moments (zero before the first step) and
+no RNG states (the loading run starts fresh streams). Any (TP, PP, DP, ZeRO) layout loads it,
+as it loads any checkpoint; a run resuming from it continues its series.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from megatron3d.checkpoint import io
+from megatron3d.config import TrainConfig
+from megatron3d.errors import ConfigError
+
+_LAYOUT = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
+
+
+def whole_chunk(name: str, tensor: torch.Tensor) -> dict:
+    """One logical tensor as the single chunk that holds all of it."""
+    flat = tensor.detach().to(torch.float32).contiguous().reshape(-1).clone()
+    return {"name": name, "kind": "weight", "tp_size": 1, "tp_rank": 0, "split_dim": None,
+            "stride": 1, "logical_rows": None, "local_shape": tuple(tensor.shape), "start": 0,
+            "end": flat.numel(), "data": flat}
+
+
+def write_checkpoint(root: Path, cfg: TrainConfig,
+                     tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
+    """``root/iter_0000000`` holding ``tensors`` and ``cfg``; ``root`` must hold no
+    checkpoint (nothing already saved is replaced)."""
+    if io.has_checkpoints(root) or root.is_file():
+        raise ConfigError(f"--save {root} already holds checkpoints or is a file: choose a new "
+                          "directory, nothing was written")
+    chunks = [whole_chunk(name, t) for name, t in tensors]  # any bad input fails here
+    with io.writing(root):
+        io.clear_for_save(root, 0)
+        final = io.iteration_dir(root, 0)
+        tmp = final.with_name(final.name + ".tmp")
+        tmp.mkdir()
+        io.write_rank(tmp, 0, {"chunks": chunks, "rng": None, "iteration": 0, "rank": 0,
+                               "layout": _LAYOUT})
+        io.write_meta(tmp, {
+            "format_version": io.FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
+            "consumed_tokens": 0, "adam_step": 0, "layout": _LAYOUT, "loss_scaler": None,
+            "series": uuid.uuid4().hex, "config": dataclasses.asdict(cfg)})
+        io.publish(root, 0)
+    return final

@@ -1,0 +1,119 @@
+"""Import from Hugging Face: a model transformers creates (random weights) imported and
+trained through pretrain_gpt at TP=2 x PP=2 starts from transformers' own loss on the same
+tokens, and HF -> megatron3d -> HF is bitwise identical."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from megatron3d.data.mock import MockGPTDataset
+from tests.checkpoint.test_bad_checkpoints import _tree
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train
+from tests.helpers.tiny import train_argv
+from tests.helpers.tools import load_tool
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors.torch")
+import_hf, export_hf = load_tool("checkpoint/import_hf.py"), load_tool("checkpoint/export_hf.py")
+
+SEQ, VOCAB, GBS = 16, 203, 8
+CONFIGS = {
+    "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": SEQ},
+    "bloom": {"model_type": "bloom", "n_layer": 2, "hidden_size": 32, "n_head": 4},
+    "llama": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 64,
+              "max_position_embeddings": SEQ, "rms_norm_eps": 1e-6},
+}
+
+
+def _hf_model(flavour: str, directory: Path):
+    config = dict(CONFIGS[flavour])
+    kind = config.pop("model_type")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.CONFIG_MAPPING[kind](vocab_size=VOCAB, **config)).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def _first_losses(directories: dict[str, str]) -> dict[str, float]:
+    """Rank view of one step at TP=2 x PP=2 from each imported checkpoint."""
+    out = {}
+    for flavour, directory in directories.items():
+        argv = train_argv("gpt2", 1, "--lr-warmup-iters", "0", "--seq-length", str(SEQ),
+                          "--global-batch-size", str(GBS),
+                          "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                          "2", "--load", directory, "--use-checkpoint-args")
+        out[flavour] = train(argv).losses
+    return out
+
+
+def test_imported_models_start_from_transformers_loss(tmp_path):
+    hf_losses, directories = {}, {}
+    batch = MockGPTDataset(VOCAB, SEQ, 1234).samples(0, GBS)  # what pretrain_gpt trains on
+    for flavour in CONFIGS:
+        model = _hf_model(flavour, tmp_path / f"hf-{flavour}")
+        with torch.no_grad():
+            logits = model(batch[:, :-1]).logits
+        hf_losses[flavour] = F.cross_entropy(logits.reshape(-1, VOCAB),
+                                             batch[:, 1:].reshape(-1)).item()
+        directories[flavour] = str(tmp_path / f"ckpt-{flavour}")
+        assert import_hf.main(["--hf", str(tmp_path / f"hf-{flavour}"), "--save",
+                               directories[flavour], "--tensor-model-parallel-size", "2",
+                               "--pipeline-model-parallel-size", "2", "--seq-length",
+                               str(SEQ)]) == 0
+    per_rank = run_distributed(_first_losses, 4, directories, timeout_s=300)
+    last_stage = per_rank[-1]
+    for flavour, expected in hf_losses.items():
+        assert last_stage[flavour][0] == pytest.approx(expected, rel=1e-4), flavour
+
+
+@pytest.mark.parametrize("flavour", CONFIGS)
+def test_round_trip_is_bitwise(tmp_path, flavour):
+    _hf_model(flavour, tmp_path / "hf")
+    assert import_hf.main(["--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
+    assert export_hf.main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "back"),
+                           "--no-verify"]) == 0
+    original = safetensors.load_file(tmp_path / "hf" / "model.safetensors")
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    back = {}
+    for file in set(index["weight_map"].values()):
+        back.update(safetensors.load_file(tmp_path / "back" / file))
+    original.pop("lm_head.weight", None) if flavour != "llama" else None  # tied: not stored
+    assert back.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"model_type": "t5"}, "unsupported Hugging Face model_type 't5'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+], ids=["architecture", "activation", "rope scaling"])
+def test_unsupported_config_is_one_line_and_writes_nothing(tmp_path, capsys, change, expected):
+    _hf_model("llama", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = {**json.loads(path.read_text()), **change}
+    config.pop("rope_parameters", None) if "rope_scaling" in change else None
+    path.write_text(json.dumps(config))
+    before = _tree(tmp_path)
+    capsys.readouterr()  # transformers' own output while saving
+    assert import_hf.main(["--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert _tree(tmp_path) == before and not (tmp_path / "ckpt").exists()
+
+
+def test_a_layout_the_model_cannot_take_is_refused(tmp_path, capsys):
+    _hf_model("llama", tmp_path / "hf")  # 2 key/value heads
+    capsys.readouterr()
+    assert import_hf.main(["--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt"),
+                           "--tensor-model-parallel-size", "4"]) == 2
+    assert "key/value heads (2) are not divisible" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
