@@ -105,7 +105,12 @@ def memory_capacity(env: LaunchEnv) -> int:
         return torch.cuda.get_device_properties(env.local_rank).total_memory
     shared = env.launched and "LOCAL_WORLD_SIZE" in os.environ
     ranks_here = _env_int("LOCAL_WORLD_SIZE", 1) if shared else 1
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks_here
+    return host_memory_bytes() // ranks_here
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def describe(dev: torch.device) -> str:

@@ -184,3 +184,19 @@ def test_number_flags_name_flag_value_and_range():
     with pytest.raises(ConfigError, match="starts with .-. to its flag: write --rate=-1e-3"):
         parser.parse(["--rate", "-1e-3"])
     assert "A size. Default: 4. Allowed: [1, 1048576]." in parser.format_help()
+
+
+@pytest.mark.parametrize("data", [
+    {}, {"rank": 0, "job": "", "world_size": 1}, [1, 2],
+    {"rank": 0, "job": "", "world_size": 1, "written": 1.0, "sizes": {}, "coords": {},
+     "iteration": 3, "main_stack": [], "ops": [{"seq": "x"}]},
+], ids=["empty", "no ops", "not an object", "damaged op"])
+def test_a_damaged_hang_dump_is_skipped_with_its_reason(capsys, data):
+    from megatron3d.training.hang_dump import DATA_MARKER, FORMAT
+
+    payload = {"format": FORMAT, **data} if isinstance(data, dict) else data
+    Path("d/rank-00000.txt").write_text(f"{DATA_MARKER}\n{json.dumps(payload)}\n")
+    assert tool("hang_report").main(["d"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no readable rank-XXXXX.txt dump in d (skipped rank-00000.txt")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -14,6 +14,7 @@ import zlib
 import numpy as np
 import torch
 
+from megatron3d import device as devices
 from megatron3d.data.index_cache import IndexCache, dataset_identity
 from megatron3d.data.indexed_dataset import IndexedDataset, index_file_path
 from megatron3d.data.sample_index import (
@@ -21,6 +22,7 @@ from megatron3d.data.sample_index import (
     SampleIndex,
     build_sample_index,
     gather_samples,
+    index_peak_bytes,
     num_epochs_for,
     samples_in_epochs,
 )
@@ -63,6 +65,7 @@ class GPTDataset:
             raise DataError(f"{indexed.prefix}: the {name} split (documents {documents.start}"
                             f"..{documents.stop}) holds no tokens; change --split or add data")
         self.num_epochs = num_epochs_for(self.tokens_per_epoch, seq_length, max(num_samples, 1))
+        _check_index_fits(indexed.prefix, name, len(documents), self.num_epochs, num_samples)
         key = {"kind": "gpt", "format": FORMAT_VERSION, "data": dataset_identity(indexed.prefix),
                "documents": [documents.start, documents.stop], "seq_length": seq_length,
                "epochs": self.num_epochs, "seed": seed, "split": name}
@@ -112,3 +115,15 @@ class GPTDataset:
     def _read(self, doc: int, start: int, stop: int | None) -> np.ndarray:
         length = None if stop is None else stop - start
         return self.indexed.get(doc, start, length)
+
+
+def _check_index_fits(prefix: str, name: str, documents: int, epochs: int, samples: int) -> None:
+    """A run length far beyond the data (``--train-samples 1e12``) would build an index of
+    terabytes and die of memory; say so before building."""
+    need, have = index_peak_bytes(documents, epochs, samples), devices.host_memory_bytes()
+    if need > have:
+        gib = 2.0**30
+        raise DataError(f"{prefix}: the {name} split needs {samples:,} samples, {epochs:,} "
+                        f"passes over its {documents:,} documents, whose index takes about "
+                        f"{need / gib:,.1f} GiB, more than this machine's {have / gib:,.1f} "
+                        "GiB: lower --train-samples/--train-iters (or --eval-iters) or add data")

@@ -58,6 +58,12 @@ def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> 
     return epochs
 
 
+def index_peak_bytes(num_documents: int, num_epochs: int, num_samples: int) -> int:
+    """Bytes ``build_sample_index`` holds at its peak, about: per epoch and document an id and
+    a cumulative length, per sample six int64 working arrays."""
+    return 16 * num_epochs * num_documents + 48 * num_samples
+
+
 def build_sample_index(sizes: np.ndarray, documents: np.ndarray, seq_length: int,
                        num_epochs: int, seed: int) -> SampleIndex:
     """Index of every sample in ``num_epochs`` epochs over ``documents``.

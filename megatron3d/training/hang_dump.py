@@ -55,9 +55,35 @@ def read_dump(path: Path) -> dict[str, Any]:
         data = json.loads(lines[lines.index(DATA_MARKER) + 1])
     except (ValueError, IndexError) as err:
         raise ValueError(f"{path} is not a complete megatron3d hang dump") from err
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path} has dump format {data.get('format')}, expected {FORMAT}")
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path} has dump format {found}, expected {FORMAT}")
+    wrong = _wrong(data, _FIELDS) or next(
+        (f"ops[{i}] {w}" for i, op in enumerate(data["ops"]) if (w := _wrong(op, _OP_FIELDS))),
+        None)
+    if wrong:
+        raise ValueError(f"{path} is a damaged dump ({wrong})")
     return data
+
+
+# What hang_report reads, with the JSON types it expects.
+_INT, _NUM, _TEXT, _LIST = (int,), (int, float), (str,), (list,)
+_FIELDS = {"rank": _INT, "world_size": _INT, "job": _TEXT, "written": _NUM, "ops": _LIST,
+           "sizes": (dict,), "coords": (dict,), "iteration": _INT, "main_stack": _LIST}
+_OP_FIELDS = {"seq": _INT, "kind": _TEXT, "group": _TEXT, "ranks": _LIST, "group_seq": _INT,
+              "peer": (int, type(None)), "shape": _LIST, "dtype": _TEXT,
+              "iteration": _INT, "program": _INT, "step": (int, type(None)),
+              "instruction": _TEXT, "tag": (list, str, type(None))}
+
+
+def _wrong(data: Any, fields: dict[str, tuple[type, ...]]) -> str | None:
+    """The first field of ``data`` that is missing or mistyped, as words; None if none."""
+    if not isinstance(data, dict):
+        return f"is a JSON {type(data).__name__}, not an object"
+    for key, types in fields.items():
+        if not isinstance(data.get(key), types) or isinstance(data.get(key), bool):
+            return f"field {key!r} is missing or not {types[0].__name__}"
+    return None
 
 
 def format_op(op: dict[str, Any]) -> str:

@@ -82,3 +82,17 @@ def test_data_parallel_on_indexed_data_matches_one_process(dataset):
     train_single(_argv(prefix, cache, 6))  # build the index caches once, in this process
     merged = merge_ranks(run_distributed(_dp_run, 2, prefix, cache))
     assert_same_run(merged, train_single(_argv(prefix, cache, 6, *EQUIVALENCE_FLAGS)), FP32)
+
+
+def test_a_run_far_longer_than_the_data_is_refused_before_the_index(dataset, capsys):
+    """10**12 samples of 300 short documents: the index would take terabytes."""
+    prefix, cache = dataset
+    argv = _argv(prefix, cache, 1)
+    at = argv.index("--train-iters")
+    argv[at:at + 2] = ["--train-samples", str(10**12)]
+    warmup = argv.index("--lr-warmup-iters")
+    del argv[warmup:warmup + 2]
+    assert pretrain_gpt.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "the train split needs 1,000,000,000,000 samples" in err and "GiB" in err
