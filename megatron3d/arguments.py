@@ -53,10 +53,15 @@ class FieldSpec:
     default: Any
     help: str
     bounds: Range | None  # the values validation accepts, shown in --help
+    aliases: tuple[str, ...] = ()  # other names of the field (Megatron-LM's spelling)
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def flags(self) -> list[str]:
+        return [self.flag] + ["--" + a.replace("_", "-") for a in self.aliases]
 
     @property
     def metavar(self) -> str:
@@ -108,6 +113,7 @@ def _field_spec(section: str, field: dataclasses.Field, annotation: Any) -> Fiel
         default=field.default,
         help=field.metadata["help"],
         bounds=field.metadata["range"],
+        aliases=field.metadata.get("aliases", ()),
     )
 
 
@@ -181,6 +187,9 @@ def _field_name(key: Any, source: str) -> str:
     name = key.replace("-", "_") if isinstance(key, str) else ""
     if name in field_specs():
         return name
+    alias_of = {a: spec.name for spec in field_specs().values() for a in spec.aliases}
+    if name in alias_of:
+        return alias_of[name]
     close = difflib.get_close_matches(name.lstrip("_"), list(field_specs()), n=1)
     hint = f"did you mean {close[0].replace('_', '-')!r}?" if close else "see --help for the flags"
     raise ConfigError(
@@ -296,7 +305,7 @@ def build_parser(prog: str | None = None) -> OneLineParser:
             "metavar": spec.metavar, "nargs": spec.nargs,
         }
         groups[spec.section].add_argument(
-            spec.flag, dest=spec.name, default=argparse.SUPPRESS, help=_help_text(spec), **kwargs
+            *spec.flags, dest=spec.name, default=argparse.SUPPRESS, help=_help_text(spec), **kwargs
         )
     return parser
 

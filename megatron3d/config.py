@@ -64,7 +64,8 @@ class ModelConfig:
         "learned_absolute", "learned_absolute (GPT-2), alibi (BLOOM) or rope (Llama).")
     rotary_base: float = option(10000.0, "Base of the rotary frequencies.", range=POSITIVE)
     normalization: Normalization = option("layernorm", "layernorm or rmsnorm.")
-    layernorm_epsilon: float = option(1e-5, "Epsilon of every normalisation layer.", range=POSITIVE)
+    layernorm_epsilon: float = option(1e-5, "Epsilon of every normalisation layer.",
+                                      range=POSITIVE, aliases=("norm_epsilon",))
     swiglu: bool = option(False, "SwiGLU MLP (gate and up projections, SiLU).")
     embed_layernorm: bool = option(False, "LayerNorm right after the word embedding (BLOOM).")
     untie_embeddings_and_output_weights: bool = option(

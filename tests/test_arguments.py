@@ -308,3 +308,28 @@ def test_llama_style_command_line():
     assert cfg.training.train_iters == 250_000
     assert cfg.lr_schedule.lr_warmup_fraction == 0.01
     assert cfg.optimizer.adam_beta2 == 0.95 and cfg.optimizer.adam_beta1 == 0.9
+
+
+LLAMA3_70B = """
+    --num-layers 80 --hidden-size 8192 --num-attention-heads 64 --group-query-attention
+    --num-query-groups 8 --ffn-hidden-size 28672 --seq-length 8192
+    --position-embedding-type rope --rotary-base 500000 --normalization rmsnorm
+    --norm-epsilon 1e-5 --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+    --micro-batch-size 1 --train-iters 10 --lr 1e-4
+"""
+
+
+def test_llama3_70b_shape_maps_one_to_one():
+    """Megatron-LM's flags for a Llama-3-70B: grouped-query attention, --norm-epsilon."""
+    model = parse_args(shlex.split(LLAMA3_70B)).model
+    assert (model.num_attention_heads, model.query_groups, model.head_dim) == (64, 8, 128)
+    assert model.layernorm_epsilon == 1e-5 and model.rotary_base == 500_000
+
+
+def test_an_alias_names_one_field_in_yaml_too(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("norm-epsilon: 1e-6\n")
+    assert parse_args(["--config", str(path)]).model.layernorm_epsilon == 1e-6
+    path.write_text("norm-epsilon: 1e-6\nlayernorm-epsilon: 1e-5\n")
+    with pytest.raises(ConfigError, match="key given twice"):
+        parse_args(["--config", str(path)])
