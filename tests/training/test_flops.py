@@ -110,3 +110,26 @@ def test_throughput_reports_model_tflops_only_with_recompute_and_mfu_from_model(
     plain = throughput(FlopsCount(hardware=3 * 10**15, model=3 * 10**15), 1.0, 10, None)
     assert plain.model_tflops is None
     assert plain.mfu_percent is None
+
+
+@pytest.mark.parametrize("groups", [None, 8, 1], ids=["mha", "gqa-8", "mqa"])
+def test_layer_flops_are_twice_the_matrix_weights_plus_attention(groups):
+    """Counted independently from the built layer: every matmul weight does 2 FLOPs per
+    token, and the score and value products 2 s h each (grouped K/V heads are shared, not
+    fewer products)."""
+    import torch
+
+    from megatron3d.model.context import LayerContext
+    from megatron3d.model.transformer import TransformerLayer
+    from megatron3d.mpu.state import AxisGroup
+    from megatron3d.training.flops import layer_forward_flops_per_token
+
+    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=32, seq_length=64,
+                      vocab_size=100, position_embedding_type="rope", normalization="rmsnorm",
+                      swiglu=True, disable_bias_linear=True, group_query_attention=bool(groups),
+                      num_query_groups=groups)
+    layer = TransformerLayer(LayerContext(cfg, AxisGroup.single(), 0,
+                                          device=torch.device("meta")), 0)
+    weights = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+    s, h = cfg.seq_length, cfg.hidden_size
+    assert layer_forward_flops_per_token(cfg) == 2 * weights + 4 * s * h
