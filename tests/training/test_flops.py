@@ -5,11 +5,16 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+import torch
 
 from megatron3d.config import ModelConfig
+from megatron3d.model.context import LayerContext
+from megatron3d.model.transformer import TransformerLayer
+from megatron3d.mpu.state import AxisGroup
 from megatron3d.training.flops import (
     FlopsCount,
     flops_per_iteration,
+    layer_forward_flops_per_token,
     tflops_per_gpu,
     throughput,
 )
@@ -117,13 +122,6 @@ def test_layer_flops_are_twice_the_matrix_weights_plus_attention(groups):
     """Counted independently from the built layer: every matmul weight does 2 FLOPs per
     token, and the score and value products 2 s h each (grouped K/V heads are shared, not
     fewer products)."""
-    import torch
-
-    from megatron3d.model.context import LayerContext
-    from megatron3d.model.transformer import TransformerLayer
-    from megatron3d.mpu.state import AxisGroup
-    from megatron3d.training.flops import layer_forward_flops_per_token
-
     cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=32, seq_length=64,
                       vocab_size=100, position_embedding_type="rope", normalization="rmsnorm",
                       swiglu=True, disable_bias_linear=True, group_query_attention=bool(groups),
