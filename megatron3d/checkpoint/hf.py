@@ -17,6 +17,7 @@ transformers itself is never imported here: the config is written as the JSON it
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -165,6 +166,15 @@ def hf_name(flavour: str, name: str) -> str:
         return f"{table['layers']}.{index}.{table.get(module, module)}.{leaf}"
     module, _, leaf = name.rpartition(".")
     return f"{table[module]}.{leaf}"
+
+
+def pieces_by_layer(names: list[str]) -> list[list[str]]:
+    """Our logical names grouped so that one group is in memory at a time when converting:
+    the embeddings, final norm and head first, then one group per transformer layer."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name in names:
+        groups[int(name.split(".")[1]) + 1 if name.startswith("layers.") else 0].append(name)
+    return [groups[k] for k in sorted(groups)]
 
 
 def to_hf(m: ModelConfig, name: str, tensor: torch.Tensor) -> Tensors:

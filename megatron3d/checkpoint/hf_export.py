@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +46,10 @@ def export(load: str, output: str) -> ExportReport:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    shards = _by_shard(reader.names())
+    shards = hf.pieces_by_layer(reader.names())
     index: dict[str, str] = {}
     peak = largest = 0
-    for number, (_, names) in enumerate(sorted(shards.items()), 1):
+    for number, names in enumerate(shards, 1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         tensors = dict(pair for name in names
                        for pair in hf.to_hf(cfg.model, name, reader.tensor(name)))
@@ -65,14 +64,6 @@ def export(load: str, output: str) -> ExportReport:
     shutil.rmtree(out, ignore_errors=True)  # an empty directory, checked above
     tmp.rename(out)
     return ExportReport(out, len(index), peak, largest)
-
-
-def _by_shard(names: list[str]) -> dict[int, list[str]]:
-    """Layer i's tensors in shard i + 1; embeddings, final norm and head in shard 0."""
-    shards: dict[int, list[str]] = defaultdict(list)
-    for name in names:
-        shards[int(name.split(".")[1]) + 1 if name.startswith("layers.") else 0].append(name)
-    return shards
 
 
 def _safetensors_writer():

@@ -112,4 +112,6 @@ def import_hf(hf_dir: str, save: str, tp: int, pp: int, seq_length: int | None) 
     cfg = TrainConfig(model=model, training=TrainingConfig(),
                       parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                               pipeline_model_parallel_size=pp))
-    return write_checkpoint(Path(save), cfg, hf.from_hf(model, logical_names(model), get))
+    pieces = [hf.from_hf(model, names, get)
+              for names in hf.pieces_by_layer(logical_names(model))]
+    return write_checkpoint(Path(save), cfg, pieces)

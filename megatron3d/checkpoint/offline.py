@@ -1,16 +1,20 @@
 """Write a checkpoint without a training run: converted weights as iteration 0.
 
 The result is an ordinary checkpoint in the layout-free chunk format: every logical tensor is
-one whole chunk in a single rank file, with no Adam moments (zero before the first step) and
-no RNG states (the loading run starts fresh streams). Any (TP, PP, DP, ZeRO) layout loads it,
-as it loads any checkpoint; a run resuming from it continues its series.
+one whole chunk, with no Adam moments (zero before the first step) and no RNG states (the
+loading run starts fresh streams). Any (TP, PP, DP, ZeRO) layout loads it, as it loads any
+checkpoint; a run resuming from it continues its series. The tensors come in pieces (a layer
+each), one rank file per piece, so only one piece is in memory at a time; the layout says
+so: as many data-parallel "ranks" as pieces, which only a run of exactly that layout would
+match (and it, too, starts fresh RNG streams).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -18,8 +22,6 @@ import torch
 from megatron3d.checkpoint import io
 from megatron3d.config import TrainConfig
 from megatron3d.errors import ConfigError
-
-_LAYOUT = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
 
 
 def whole_chunk(name: str, tensor: torch.Tensor) -> dict:
@@ -31,23 +33,33 @@ def whole_chunk(name: str, tensor: torch.Tensor) -> dict:
 
 
 def write_checkpoint(root: Path, cfg: TrainConfig,
-                     tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
-    """``root/iter_0000000`` holding ``tensors`` and ``cfg``; ``root`` must hold no
-    checkpoint (nothing already saved is replaced)."""
+                     pieces: Sequence[Iterable[tuple[str, torch.Tensor]]]) -> Path:
+    """``root/iter_0000000`` holding the tensors of ``pieces`` (each a lazy iterable, read
+    in turn) and ``cfg``; ``root`` must hold no checkpoint (nothing saved is replaced). A
+    failure while reading a piece removes what was written."""
     if io.has_checkpoints(root) or root.is_file():
         raise ConfigError(f"--save {root} already holds checkpoints or is a file: choose a new "
                           "directory, nothing was written")
-    chunks = [whole_chunk(name, t) for name, t in tensors]  # any bad input fails here
+    layout = {"world_size": len(pieces), "tp": 1, "pp": 1, "dp": len(pieces), "zero_stage": 0}
+    final = io.iteration_dir(root, 0)
+    tmp = final.with_name(final.name + ".tmp")
+    created = not root.exists()
     with io.writing(root):
         io.clear_for_save(root, 0)
-        final = io.iteration_dir(root, 0)
-        tmp = final.with_name(final.name + ".tmp")
         tmp.mkdir()
-        io.write_rank(tmp, 0, {"chunks": chunks, "rng": None, "iteration": 0, "rank": 0,
-                               "layout": _LAYOUT})
+    try:
+        for rank, piece in enumerate(pieces):
+            chunks = [whole_chunk(name, t) for name, t in piece]
+            with io.writing(root):
+                io.write_rank(tmp, rank, {"chunks": chunks, "rng": None, "iteration": 0,
+                                          "rank": rank, "layout": layout})
+    except BaseException:  # bad input met part-way: leave nothing behind
+        shutil.rmtree(root if created else tmp, ignore_errors=True)
+        raise
+    with io.writing(root):
         io.write_meta(tmp, {
             "format_version": io.FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
-            "consumed_tokens": 0, "adam_step": 0, "layout": _LAYOUT, "loss_scaler": None,
+            "consumed_tokens": 0, "adam_step": 0, "layout": layout, "loss_scaler": None,
             "series": uuid.uuid4().hex, "config": dataclasses.asdict(cfg)})
         io.publish(root, 0)
     return final

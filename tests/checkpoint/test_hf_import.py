@@ -117,3 +117,17 @@ def test_a_layout_the_model_cannot_take_is_refused(tmp_path, capsys):
                            "--tensor-model-parallel-size", "4"]) == 2
     assert "key/value heads (2) are not divisible" in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_weights_missing_a_tensor_are_one_line_and_leave_nothing(tmp_path, capsys):
+    """Found only when the last layer is converted: what was written is removed."""
+    _hf_model("llama", tmp_path / "hf")
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = safetensors.load_file(path)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    safetensors.save_file(tensors, path, metadata={"format": "pt"})
+    capsys.readouterr()
+    assert import_hf.main(["--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no tensor model.layers.1.mlp.down_proj.weight" in err
+    assert not (tmp_path / "ckpt").exists()
