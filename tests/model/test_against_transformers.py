@@ -29,6 +29,7 @@ CASES = {
                                                        "--num-attention-heads", "6"),
     "llama": ("llama",),
     "llama, 8 heads in 2 groups": ("llama", "--num-attention-heads", "8", *GQA, "2"),
+    "llama, 8 heads in 4 groups": ("llama", "--num-attention-heads", "8", *GQA, "4"),
     "llama, 1 group": ("llama", *GQA, "1"),
     "llama, tied head, rotary base 5e5": ("llama-tied", "--rotary-base", "500000",
                                           "--layernorm-epsilon", "1e-6"),
