@@ -2,19 +2,26 @@
 # Train a tiny GPT with 3D parallelism on this machine (CPU and gloo are fine): 8 processes,
 # tensor-parallel 2 x pipeline-parallel 2 x data-parallel 2 with ZeRO-1, on a real corpus
 # that every machine has (the Python standard library's source), through the real data path:
-# corpus -> SentencePiece tokenizer -> Megatron .bin/.idx -> pretrain_gpt.py.
+# corpus -> SentencePiece tokenizer -> Megatron .bin/.idx -> pretrain_gpt.py. It saves the
+# trained model in runs/quickstart/checkpoints (each run starts a new series there), then
+# continues a prompt with tools/generate.py, and, when transformers and safetensors are
+# installed (pip install -e '.[hf]'), exports it to runs/quickstart/hf for transformers.
 # Extra arguments go to pretrain_gpt.py and override the defaults below.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export OMP_NUM_THREADS=1
 DATA=runs/quickstart/data
+CKPT=runs/quickstart/checkpoints
+CORPUS=(--max-mb 4 --seed 1234)
 mkdir -p "$DATA"
-if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
-  python tools/stdlib_corpus.py --output "$DATA/stdlib.jsonl" --max-mb 4
+# The data is rebuilt when the corpus flags change; the stamp is written last.
+if [ "$(cat "$DATA/corpus.flags" 2>/dev/null)" != "${CORPUS[*]}" ]; then
+  python tools/stdlib_corpus.py --output "$DATA/stdlib.jsonl" "${CORPUS[@]}"
   python tools/train_tokenizer.py --input "$DATA/stdlib.jsonl" --model-prefix "$DATA/stdlib_sp" \
     --vocab-size 2048
   python tools/preprocess_data.py --input "$DATA/stdlib.jsonl" --output-prefix "$DATA/stdlib" \
     --json-keys text --append-eod --workers 2 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/stdlib_sp.model"
+  echo "${CORPUS[*]}" > "$DATA/corpus.flags"
 fi
 torchrun --standalone --nproc-per-node 8 pretrain_gpt.py \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --zero-stage 1 \
@@ -27,5 +34,14 @@ torchrun --standalone --nproc-per-node 8 pretrain_gpt.py \
   --data-path "$DATA/stdlib_text_document" --split 969,30,1 \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/stdlib_sp.model" \
   --seed 1234 --log-interval 10 --eval-interval 60 --eval-iters 2 \
-  --tensorboard-dir runs/quickstart/tensorboard \
+  --tensorboard-dir runs/quickstart/tensorboard --save "$CKPT" --new-series \
   "$@"
+PROMPT="def __init__(self"
+echo "tools/generate.py --prompt '$PROMPT' continues (greedy):"
+python tools/generate.py --load "$CKPT" --prompt "$PROMPT" --max-new-tokens 24
+if python -c "import transformers, safetensors" 2>/dev/null; then
+  rm -rf runs/quickstart/hf
+  python tools/checkpoint/export_hf.py --load "$CKPT" --output runs/quickstart/hf
+else
+  echo "skipping the Hugging Face export: pip install -e '.[hf]' to get it"
+fi

@@ -2,8 +2,9 @@
 
     python tools/stdlib_corpus.py --output data/stdlib.jsonl --max-mb 8
 
-One document per file, ``{"text": ..., "path": ...}``, in sorted path order: the same corpus
-on every machine with the same Python version. Used by the quickstart.
+One document per file, ``{"text": ..., "path": ...}``, in an order shuffled by --seed (so
+every --split part samples the whole library): the same corpus for the same flags on every
+machine with the same Python version. Used by the quickstart.
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron3d.cli import OneLineParser, add_float, check_output_path, run_tool  # noqa: E402
-from megatron3d.data.corpus import stdlib_documents, write_jsonl  # noqa: E402
+from megatron3d.cli import (  # noqa: E402
+    OneLineParser,
+    add_float,
+    add_int,
+    check_output_path,
+    run_tool,
+)
+from megatron3d.data.corpus import DEFAULT_SEED, stdlib_documents, write_jsonl  # noqa: E402
 from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
-from megatron3d.ranges import POSITIVE  # noqa: E402
+from megatron3d.ranges import POSITIVE, SEED  # noqa: E402
 
 logger = get_logger("stdlib_corpus")
 
@@ -33,10 +40,12 @@ def _run(argv: Sequence[str] | None) -> int:
     p.add_argument("--output", required=True, help="JSONL file to write")
     add_float(p, "--max-mb", POSITIVE, "Stop before the text exceeds this many MB "
               "(default: all files).")
+    add_int(p, "--seed", SEED, "Seed of the document order.", default=DEFAULT_SEED)
     args = p.parse(argv)
     setup_logging(0, 0)
     check_output_path(args.output, "--output")
-    documents = stdlib_documents(None if args.max_mb is None else int(args.max_mb * 1e6))
+    documents = stdlib_documents(None if args.max_mb is None else int(args.max_mb * 1e6),
+                                 args.seed)
     first = next(documents, None)
     if first is None:
         raise ConfigError(f"--max-mb {args.max_mb} is below the first standard-library file; "

@@ -2,31 +2,41 @@
 
 The quickstart needs real text without a download. The ``.py`` files under
 ``sysconfig.get_paths()["stdlib"]`` are plenty (tens of MB), and Python code is a fine
-language-modelling target for a tiny model. Files are taken in sorted path order (test suites
-and site-packages left out) so the corpus is the same on every run of one Python version.
+language-modelling target for a tiny model. Test suites and site-packages are left out.
+
+Files are taken in an order shuffled with a fixed seed: Megatron's ``--split`` cuts the
+document sequence into consecutive train/valid/test parts, and in path order the validation
+part would be one package (``encodings/cp8xx.py`` code-page tables) whose loss says nothing
+about the rest. The same seed gives the same corpus on every run of one Python version.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
               "__pycache__"}
+DEFAULT_SEED = 1234
 
 
-def stdlib_documents(max_bytes: int | None = None) -> Iterator[dict[str, str]]:
-    """``{"text": source, "path": relative path}`` per stdlib ``.py`` file, up to ``max_bytes``
-    of text in total (the file that crosses the limit is left out)."""
+def stdlib_documents(max_bytes: int | None = None,
+                     seed: int = DEFAULT_SEED) -> Iterator[dict[str, str]]:
+    """``{"text": source, "path": relative path}`` per stdlib ``.py`` file in the order
+    ``seed`` shuffles them to, up to ``max_bytes`` of text in total (the file that crosses the
+    limit and all after it are left out)."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p.relative_to(root) for p in root.rglob("*.py"))
+    random.Random(seed).shuffle(paths)
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
+    for rel in paths:
         if _SKIP_DIRS & set(rel.parts[:-1]):
             continue
+        path = root / rel
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -17,3 +20,16 @@ def load_tool(relative: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def tool_logging() -> Iterator[None]:
+    """Drop the root-logger handlers a tool's ``setup_logging`` adds inside: they hold the
+    test's captured streams, which are closed once the test ends."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)

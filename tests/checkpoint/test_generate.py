@@ -1,0 +1,160 @@
+"""tools/generate.py on a checkpoint trained at (TP, PP, DP) = (2, 2, 2): greedy ids equal
+transformers' ``generate`` on the export and a hand-written argmax loop over ``load_model``;
+sampling is reproducible per seed; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron3d.checkpoint.generation import Sampling, generate, resolve_tokenizer
+from megatron3d.checkpoint.standalone import load_model
+from megatron3d.data.tokenizer import TokenizerSpec
+from megatron3d.errors import ConfigError
+from tests.checkpoint.test_hf_export import LAYOUT_222
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train
+from tests.helpers.tiny import train_argv
+from tests.helpers.tools import load_tool, tool_logging
+
+generate_tool = load_tool("generate.py")
+PROMPT = [5, 17, 3, 99, 42]
+VARIED = [100, 150]  # after 3 steps of training, most prompts give one token over and over
+IDS = ["--prompt-ids", " ".join(map(str, PROMPT))]
+
+
+def _train(root: str) -> None:
+    train(train_argv("gpt2", 3, *LAYOUT_222, "--save", root))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("trained") / "gpt2"
+    run_distributed(_train, 8, str(root), timeout_s=300)
+    return root
+
+
+def _generated(capsys, checkpoint: Path, *argv: str) -> str:
+    assert generate_tool.main(["--load", str(checkpoint), *argv]) == 0
+    return capsys.readouterr().out
+
+
+def _ids(capsys, checkpoint: Path, *argv: str) -> list[int]:
+    """The ids the tool prints; the prompt is ``PROMPT`` unless ``argv`` gives another."""
+    prompt = [] if "--prompt-ids" in argv else IDS
+    return [int(w) for w in _generated(capsys, checkpoint, *prompt, *argv).split()]
+
+
+def test_greedy_equals_transformers_and_a_load_model_argmax_loop(checkpoint, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    export_hf = load_tool("checkpoint/export_hf.py")
+    with tool_logging():
+        assert export_hf.main(["--load", str(checkpoint), "--output", str(tmp_path / "hf"),
+                               "--no-verify"]) == 0
+    capsys.readouterr()  # its log lines
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    loaded, results = load_model(checkpoint), []
+    for prompt in (PROMPT, VARIED):
+        ours = _ids(capsys, checkpoint, "--prompt-ids", " ".join(map(str, prompt)),
+                    "--max-new-tokens", "8")
+        tokens = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = theirs.generate(tokens, max_new_tokens=8, do_sample=False,
+                                       pad_token_id=0)[0, len(prompt):].tolist()
+        for _ in range(8):
+            tokens = torch.cat([tokens, loaded.logits(tokens)[:, -1].argmax(-1, keepdim=True)],
+                               1)
+        assert ours == expected == tokens[0, len(prompt):].tolist()
+        results.append(ours)
+    assert results[0][0] != results[1][0] and len(set(results[1])) > 1
+
+
+def test_sampling_is_reproducible_per_seed_and_not_greedy(checkpoint, capsys):
+    hot = ("--max-new-tokens", "8", "--temperature", "50")
+    first = _ids(capsys, checkpoint, *hot, "--seed", "7")
+    assert first == _ids(capsys, checkpoint, *hot, "--seed", "7")
+    loaded = load_model(checkpoint)
+    greedy = generate(loaded, PROMPT, 8)
+    assert first != greedy
+    assert first == generate(loaded, PROMPT, 8, sampling=Sampling(temperature=50, seed=7))
+    assert first != generate(loaded, PROMPT, 8, sampling=Sampling(temperature=50, seed=8))
+    assert generate(loaded, PROMPT, 8, sampling=Sampling(top_k=1)) == greedy
+    hot = Sampling(top_k=20, temperature=2.0, seed=3)
+    assert generate(loaded, PROMPT, 8, sampling=hot) == generate(loaded, PROMPT, 8, sampling=hot)
+
+
+def test_stops_at_eod_and_fills_the_context_by_default(checkpoint):
+    loaded = load_model(checkpoint)
+    full = generate(loaded, VARIED)
+    assert len(full) == loaded.config.model.seq_length - len(VARIED)
+    eod = full[2]
+    assert generate(loaded, VARIED, 8, eod=eod) == full[:full.index(eod)] != []
+
+
+def test_text_prompt_through_a_tokenizer_override(checkpoint, capsys):
+    """Mock data records no tokenizer; NullTokenizer (ids as words, eod = vocabulary - 1)
+    stands in for one: the text continues the prompt and stops at its eod."""
+    greedy = _ids(capsys, checkpoint, "--max-new-tokens", "8")
+    text = _generated(capsys, checkpoint, "--prompt", " ".join(map(str, PROMPT)),
+                      "--max-new-tokens", "8", "--tokenizer-type", "NullTokenizer")
+    eod = load_model(checkpoint).config.model.vocab_size - 1
+    kept = greedy[:greedy.index(eod)] if eod in greedy else greedy
+    assert text == "".join(f" {t}" for t in kept) + "\n"
+
+
+def test_a_recorded_tokenizer_that_is_gone_names_the_override_flags(checkpoint):
+    moved = dataclasses.replace(load_model(checkpoint), tokenizer=TokenizerSpec(
+        "SentencePieceTokenizer", tokenizer_model="elsewhere/sp.model"))
+    with pytest.raises(ConfigError, match="cannot be loaded .*pass them again with "
+                       "--tokenizer-model, --vocab-file"):
+        resolve_tokenizer(moved, {})
+
+
+BAD = [
+    ([], "required: --load"),
+    (["--load", "MISSING", *IDS], "no checkpoint in"),
+    (["--load", "CKPT"], "one of the arguments --prompt --prompt-ids is required"),
+    (["--load", "CKPT", "--prompt", "x", *IDS], "not allowed with argument"),
+    (["--load", "CKPT", "--prompt", "5 17"], "has no tokenizer (it trained on --mock-data)"),
+    (["--load", "CKPT", "--prompt-ids", "1 x"], "expected whitespace-separated whole numbers"),
+    (["--load", "CKPT", "--prompt-ids", "1 203"], "prompt token id 203 is outside"),
+    (["--load", "CKPT", "--prompt-ids", "-1"], "prompt token id -1 is outside"),
+    (["--load", "CKPT", "--prompt-ids", ""], "the prompt is empty"),
+    (["--load", "CKPT", *IDS, "--max-new-tokens", "12"], "give --max-new-tokens 11 or less"),
+    (["--load", "CKPT", *IDS, "--max-new-tokens", "0"], "--max-new-tokens='0'"),
+    (["--load", "CKPT", *IDS, "--top-k", "0"], "--top-k='0'"),
+    (["--load", "CKPT", *IDS, "--top-k", "500"], "--top-k 500 exceeds the vocabulary"),
+    (["--load", "CKPT", *IDS, "--temperature", "0"], "--temperature='0'): expected a finite "
+     "number > 0"),
+    (["--load", "CKPT", *IDS, "--temperature", "nan"], "--temperature='nan'"),
+    (["--load", "CKPT", *IDS, "--seed", "3"], "--seed applies only to sampling"),
+    (["--load", "CKPT", *IDS, "--top-k", "2", "--seed", "-3"], "--seed='-3'"),
+    (["--load", "CKPT", *IDS, "--tokenizer-model", "sp.model"], "records no tokenizer, so "
+     "--tokenizer-model needs --tokenizer-type too"),
+    (["--load", "CKPT", *IDS, "--tokenizer-type", "SentencePieceTokenizer",
+      "--tokenizer-model", "none.model"], "'none.model': file not found"),
+    (["--load", "CKPT", *IDS, "--tokenizer-type", "NullTokenizer", "--vocab-file", "v.json"],
+     "NullTokenizer does not use --vocab-file"),
+    (["--load", "CKPT", *IDS, "--top-p", "0.9"], "unknown flag on the command line (--top-p"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), BAD, ids=[b[1][:30] for b in BAD])
+def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, capsys, argv, expected):
+    argv = [str(checkpoint) if a == "CKPT" else str(tmp_path / a) if a == "MISSING" else a
+            for a in argv]
+    assert generate_tool.main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert captured.out == ""
+
+
+def test_help_prints_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as info:
+        generate_tool.main(["--help"])
+    assert info.value.code == 0
+    assert "--tokenizer-model PATH" in capsys.readouterr().out

@@ -1,0 +1,102 @@
+"""Generate text from a megatron3d checkpoint (any saved layout) in one CPU process.
+
+    python tools/generate.py --load ckpt --prompt "def main(" --max-new-tokens 32
+    python tools/generate.py --load ckpt --prompt-ids "5 17 3"   # token ids in and out
+
+Greedy (the argmax) by default; --top-k and/or --temperature sample instead, reproducibly
+for one --seed. Prints only the new text (or ids) to stdout. Generation stops at the
+end-of-document token or after --max-new-tokens (default: until the model's --seq-length is
+full); a longer request is refused. The tokenizer is the one the run trained with; the
+tokenizer flags override its recorded paths (needed when they were relative to elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron3d.checkpoint.generation import (  # noqa: E402
+    DEFAULT_SEED,
+    Sampling,
+    continuation_text,
+    generate,
+    resolve_tokenizer,
+)
+from megatron3d.checkpoint.standalone import load_model  # noqa: E402
+from megatron3d.cli import OneLineParser, add_float, add_int, run_tool  # noqa: E402
+from megatron3d.config import DataConfig  # noqa: E402
+from megatron3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from megatron3d.errors import ConfigError  # noqa: E402
+from megatron3d.ranges import AT_LEAST_ONE, POSITIVE, SEED, SIZE  # noqa: E402
+
+_TOKENIZER_FIELDS = ("tokenizer_model", "vocab_file", "merge_file", "tokenizer_name_or_path")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_tool(_run, argv)
+
+
+def _parser() -> OneLineParser:
+    p = OneLineParser(description=__doc__.splitlines()[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (a run's --save)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text to continue (needs the run's tokenizer)")
+    prompt.add_argument("--prompt-ids", metavar="IDS",
+                        help="whitespace-separated token ids to continue; prints ids")
+    add_int(p, "--max-new-tokens", SIZE, "Most tokens to generate (default: until the "
+            "context is full).")
+    add_int(p, "--top-k", AT_LEAST_ONE, "Sample from the K most likely tokens.")
+    add_float(p, "--temperature", POSITIVE, "Sample with logits divided by T (1 if only "
+              "--top-k is given).")
+    add_int(p, "--seed", SEED, f"Seed of the sampling generator (default {DEFAULT_SEED}); "
+            "sampling only.")
+    tokenizer = p.add_argument_group("tokenizer overrides (default: what the run recorded)")
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(DataConfig)}
+    tokenizer.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
+                           help=helps["tokenizer_type"])
+    for field in _TOKENIZER_FIELDS:
+        tokenizer.add_argument("--" + field.replace("_", "-"), metavar="PATH", help=helps[field])
+    return p
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = _parser().parse(argv)
+    sampling = Sampling(args.top_k, args.temperature,
+                        DEFAULT_SEED if args.seed is None else args.seed)
+    if sampling.greedy and args.seed is not None:
+        raise ConfigError("--seed applies only to sampling: add --top-k or --temperature, or "
+                          "drop --seed for greedy generation")
+    loaded = load_model(args.load)
+    overrides = {f: getattr(args, f) for f in ("tokenizer_type", *_TOKENIZER_FIELDS)}
+    tokenizer = resolve_tokenizer(loaded, overrides)
+    if args.prompt_ids is not None:
+        prompt = _ids(args.prompt_ids)
+    elif tokenizer is None:
+        raise ConfigError("the checkpoint has no tokenizer (it trained on --mock-data), so "
+                          "--prompt cannot be tokenized: give token ids with --prompt-ids "
+                          "'1 2 3', or a tokenizer with --tokenizer-type and its files")
+    else:
+        prompt = tokenizer.tokenize(args.prompt)
+    new = generate(loaded, prompt, args.max_new_tokens,
+                   eod=None if tokenizer is None else tokenizer.eod, sampling=sampling)
+    if args.prompt_ids is not None:
+        sys.stdout.write(" ".join(map(str, new)) + "\n")
+    else:
+        sys.stdout.write(continuation_text(tokenizer, prompt, new) + "\n")
+    return 0
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(word) for word in text.split()]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids {text[:40]!r}: expected whitespace-separated whole "
+                          "numbers, e.g. --prompt-ids '1 2 3'") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
