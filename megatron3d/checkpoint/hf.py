@@ -52,11 +52,14 @@ def flavour_of(m: ModelConfig) -> str:
         "as the README's model flavours define them")
 
 
-def hf_config(m: ModelConfig) -> dict[str, Any]:
-    """config.json for ``m``'s transformers class (the logical, unpadded vocabulary)."""
+def hf_config(m: ModelConfig, eod: int | None = None) -> dict[str, Any]:
+    """config.json for ``m``'s transformers class (the logical, unpadded vocabulary).
+    ``eod``: the end-of-document token, which transformers' generate stops at; without one
+    the ids are null (transformers' defaults, e.g. GPT-2's 50256, would be wrong here)."""
     flavour = flavour_of(m)
     common = {"architectures": [ARCHITECTURES[flavour]], "vocab_size": m.vocab_size,
-              "tie_word_embeddings": m.tie_embeddings, "torch_dtype": "float32"}
+              "tie_word_embeddings": m.tie_embeddings, "torch_dtype": "float32",
+              "bos_token_id": eod, "eos_token_id": eod}
     if flavour == "gpt2":
         return {**common, "model_type": "gpt2", "n_layer": m.num_layers, "n_embd": m.hidden_size,
                 "n_head": m.num_attention_heads, "n_inner": m.ffn_size,

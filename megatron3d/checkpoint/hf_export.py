@@ -17,7 +17,9 @@ import torch
 
 from megatron3d.checkpoint import hf
 from megatron3d.checkpoint.reader import CheckpointReader
-from megatron3d.checkpoint.standalone import load_model, saved_config
+from megatron3d.checkpoint.standalone import load_model, saved_config, tokenizer_spec
+from megatron3d.config import TrainConfig
+from megatron3d.data.tokenizer import build_tokenizer
 from megatron3d.errors import ConfigError
 from megatron3d.log import get_logger
 
@@ -38,7 +40,7 @@ def export(load: str, output: str) -> ExportReport:
     save_file = _safetensors_writer()
     reader = CheckpointReader.latest(load)
     cfg = saved_config(reader.meta)
-    config = hf.hf_config(cfg.model)  # refuses a model no transformers class holds
+    config = hf.hf_config(cfg.model, _eod(cfg))  # refuses a model no transformers class holds
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--output {output} already exists and is not an empty directory: "
@@ -64,6 +66,19 @@ def export(load: str, output: str) -> ExportReport:
     shutil.rmtree(out, ignore_errors=True)  # an empty directory, checked above
     tmp.rename(out)
     return ExportReport(out, len(index), peak, largest)
+
+
+def _eod(cfg: TrainConfig) -> int | None:
+    """The run's end-of-document token, when its tokenizer can be loaded from here."""
+    spec = tokenizer_spec(cfg)
+    if spec is None:
+        return None
+    try:
+        return build_tokenizer(spec).eod
+    except ConfigError as err:
+        logger.info("the run's tokenizer cannot be loaded from here (%s): config.json gets no "
+                    "end-of-document token", err)
+        return None
 
 
 def _safetensors_writer():

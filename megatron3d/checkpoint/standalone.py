@@ -67,10 +67,14 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
             logical = reader.tensor(meta.name)
             p.zero_()  # vocabulary padding rows stay zero
             p[: logical.shape[0]].copy_(logical)
+    return LoadedModel(model.eval(), cfg, reader.meta["iteration"], tokenizer_spec(cfg))
+
+
+def tokenizer_spec(cfg: TrainConfig) -> TokenizerSpec | None:
+    """The tokenizer the run trained with, as it recorded it (None on mock data)."""
     data = cfg.data
-    spec = None if data.tokenizer_type is None else TokenizerSpec(
+    return None if data.tokenizer_type is None else TokenizerSpec(
         tokenizer_type=data.tokenizer_type, tokenizer_model=data.tokenizer_model,
         vocab_file=data.vocab_file, merge_file=data.merge_file,
         tokenizer_name_or_path=data.tokenizer_name_or_path,
         vocab_size=cfg.model.vocab_size - 1 if data.tokenizer_type == "NullTokenizer" else None)
-    return LoadedModel(model.eval(), cfg, reader.meta["iteration"], spec)
