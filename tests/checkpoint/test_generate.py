@@ -14,10 +14,6 @@ from megatron3d.checkpoint.generation import Sampling, generate, resolve_tokeniz
 from megatron3d.checkpoint.standalone import load_model
 from megatron3d.data.tokenizer import TokenizerSpec
 from megatron3d.errors import ConfigError
-from tests.checkpoint.test_hf_export import LAYOUT_222
-from tests.helpers.dist import run_distributed
-from tests.helpers.runs import train
-from tests.helpers.tiny import train_argv
 from tests.helpers.tools import load_tool, tool_logging
 
 generate_tool = load_tool("generate.py")
@@ -26,15 +22,9 @@ VARIED = [100, 150]  # after 3 steps of training, most prompts give one token ov
 IDS = ["--prompt-ids", " ".join(map(str, PROMPT))]
 
 
-def _train(root: str) -> None:
-    train(train_argv("gpt2", 3, *LAYOUT_222, "--save", root))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("trained") / "gpt2"
-    run_distributed(_train, 8, str(root), timeout_s=300)
-    return root
+@pytest.fixture
+def checkpoint(trained_222) -> Path:
+    return trained_222 / "gpt2"
 
 
 def _generated(capsys, checkpoint: Path, *argv: str) -> str:

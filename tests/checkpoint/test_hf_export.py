@@ -11,33 +11,17 @@ import torch
 
 from megatron3d.checkpoint.hf import ARCHITECTURES
 from megatron3d.checkpoint.standalone import load_model
+from tests.checkpoint.conftest import FLAVOURS
 from tests.checkpoint.test_bad_checkpoints import _tree
-from tests.helpers.dist import run_distributed
-from tests.helpers.runs import train
-from tests.helpers.tiny import train_argv
 from tests.helpers.tools import load_tool
 
 export_hf = load_tool("checkpoint/export_hf.py")
 
 transformers = pytest.importorskip("transformers")
 
-LAYOUT_222 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-              "--zero-stage", "1", "--pp-partition-method", "uniform")
-FLAVOURS = {"gpt2": (), "bloom": (),
-            "llama": ("--num-attention-heads", "8", "--group-query-attention",
-                      "--num-query-groups", "2")}
-
-
-def _train_all(root: str) -> None:
-    for flavour, extra in FLAVOURS.items():
-        train(train_argv(flavour, 3, *LAYOUT_222, *extra, "--save", f"{root}/{flavour}"))
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("trained")
-    run_distributed(_train_all, 8, str(root), timeout_s=300)
-    return root
+@pytest.fixture
+def checkpoints(trained_222) -> Path:
+    return trained_222
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

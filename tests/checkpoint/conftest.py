@@ -1,0 +1,32 @@
+"""Checkpoints trained once per test session and shared by the tests that only read them
+(export, generation, the offline tools): each (2, 2, 2) spawn costs seconds on 2 cores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import train
+from tests.helpers.tiny import train_argv
+
+LAYOUT_222 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--zero-stage", "1", "--pp-partition-method", "uniform")
+FLAVOURS = {"gpt2": (), "bloom": (),
+            "llama": ("--num-attention-heads", "8", "--group-query-attention",
+                      "--num-query-groups", "2")}
+
+
+def _train_all(root: str) -> None:
+    for flavour, extra in FLAVOURS.items():
+        train(train_argv(flavour, 3, *LAYOUT_222, *extra, "--save", f"{root}/{flavour}"))
+
+
+@pytest.fixture(scope="session")
+def trained_222(tmp_path_factory) -> Path:
+    """``ROOT/{gpt2,bloom,llama}``: 3 steps at (TP, PP, DP) = (2, 2, 2), ZeRO-1, saved at
+    the end (Llama with 8 query heads in 2 key/value groups). Read them, never write."""
+    root = tmp_path_factory.mktemp("trained_222")
+    run_distributed(_train_all, 8, str(root), timeout_s=300)
+    return root
