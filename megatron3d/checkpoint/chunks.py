@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from megatron3d.errors import CheckpointError
-from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.meta import ParamMeta, get_meta
 from megatron3d.mpu.sharding import tp_shard, tp_unshard
 from megatron3d.mpu.state import ParallelState
 from megatron3d.zero.shard import Shard
@@ -53,17 +53,23 @@ def make_chunks(params: list[nn.Parameter], shard: Shard, local: dict[str, torch
     for p in params:
         if not owns(p, state, zero_stage):
             continue
-        meta = get_meta(p)
-        split = meta.tp_split_dim is not None  # a replicated tensor is its logical tensor
         for start, end, offset in shard.parts_of(p):
             for kind in kinds:
-                chunks.append({
-                    "name": meta.name, "kind": kind, "tp_size": state.tp.size if split else 1,
-                    "tp_rank": state.tp.rank if split else 0, "split_dim": meta.tp_split_dim,
-                    "stride": meta.tp_stride, "logical_rows": meta.logical_rows,
-                    "local_shape": tuple(p.shape), "start": start, "end": end,
-                    "data": local[kind][offset:offset + end - start].detach().cpu().clone()})
+                data = local[kind][offset:offset + end - start].detach().cpu().clone()
+                chunks.append(new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size,
+                                        tuple(p.shape), start, end, data))
     return chunks
+
+
+def new_chunk(meta: ParamMeta, kind: str, tp_rank: int, tp_size: int,
+              local_shape: tuple[int, ...], start: int, end: int, data: torch.Tensor) -> dict:
+    """The chunk holding ``data``: elements [start, end) of the flattened ``local_shape``
+    slice that TP rank ``tp_rank`` of ``tp_size`` holds of ``meta``'s logical tensor."""
+    split = meta.tp_split_dim is not None  # a replicated tensor is its logical tensor
+    return {"name": meta.name, "kind": kind, "tp_size": tp_size if split else 1,
+            "tp_rank": tp_rank if split else 0, "split_dim": meta.tp_split_dim,
+            "stride": meta.tp_stride, "logical_rows": meta.logical_rows,
+            "local_shape": local_shape, "start": start, "end": end, "data": data}
 
 
 def index_chunks(chunks: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -92,18 +98,24 @@ def assemble(name: str, kind: str, chunks: list[dict]) -> torch.Tensor:
     return full if first["logical_rows"] is None else full[: first["logical_rows"]]
 
 
+def tp_slice(logical: torch.Tensor, meta: ParamMeta, tp_rank: int, tp_size: int,
+             padded_rows: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s slice of a logical tensor; a vocabulary table is first padded to
+    ``padded_rows`` rows (the padded vocabulary of that layout). Loading and offline
+    relayout both cut slices here, so they agree with training's layout."""
+    if meta.tp_split_dim is None:
+        return logical
+    full = logical
+    if meta.logical_rows is not None:
+        full = torch.zeros((padded_rows, *logical.shape[1:]), dtype=logical.dtype)
+        full[: logical.shape[0]] = logical
+    return tp_shard(full, meta.tp_split_dim, tp_rank, tp_size, meta.tp_stride)
+
+
 def local_slice(logical: torch.Tensor, param: nn.Parameter, state: ParallelState) -> torch.Tensor:
     """This rank's slice of a logical tensor, in ``param``'s layout."""
     meta = get_meta(param)
-    if meta.tp_split_dim is None:
-        full = logical
-    else:
-        full = logical
-        if meta.logical_rows is not None:  # pad the vocabulary rows for this layout
-            rows = param.shape[0] * state.tp.size
-            full = torch.zeros((rows, *logical.shape[1:]), dtype=logical.dtype)
-            full[: logical.shape[0]] = logical
-        full = tp_shard(full, meta.tp_split_dim, state.tp.rank, state.tp.size, meta.tp_stride)
+    full = tp_slice(logical, meta, state.tp.rank, state.tp.size, param.shape[0] * state.tp.size)
     if tuple(full.shape) != tuple(param.shape):
         raise CheckpointError(f"checkpoint tensor {meta.name} has logical shape "
                               f"{tuple(logical.shape)}, which does not fit this model's "

@@ -63,7 +63,21 @@ class CheckpointReader:
 
     def tensor(self, name: str, kind: str = "weight") -> torch.Tensor:
         """The whole logical fp32 tensor (vocabulary padding dropped)."""
+        return assemble(name, kind, self._chunks(name, kind))
+
+    def shape(self, name: str, kind: str = "weight") -> tuple[int, ...]:
+        """The logical tensor's shape from its chunk descriptions alone, reading no data (so
+        a streaming writer can lay out its file before any tensor is assembled)."""
+        first = self._chunks(name, kind)[0]
+        shape = list(first["local_shape"])
+        if first["split_dim"] is not None:
+            shape[first["split_dim"]] *= first["tp_size"]
+        if first["logical_rows"] is not None:
+            shape[0] = first["logical_rows"]
+        return tuple(shape)
+
+    def _chunks(self, name: str, kind: str) -> list[dict]:
         if (name, kind) not in self._index:
             raise CheckpointError(f"{self.directory} has no {kind} of {name}: a shard file is "
                                   "missing, or the model differs")
-        return assemble(name, kind, self._index[(name, kind)])
+        return self._index[(name, kind)]
