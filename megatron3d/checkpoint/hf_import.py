@@ -103,7 +103,9 @@ def logical_names(model: ModelConfig) -> list[str]:
     return [get_meta(p).name for p in build_stage(specs, 0, len(specs)).parameters()]
 
 
-def import_hf(hf_dir: str, save: str, tp: int, pp: int, seq_length: int | None) -> Path:
+def import_hf(hf_dir: str, save: str, tp: int, pp: int,
+              seq_length: int | None) -> tuple[Path, int]:
+    """The checkpoint written and its peak tensor bytes (one layer's)."""
     directory = Path(hf_dir)
     model = ModelConfig(**hf.model_fields(read_config(directory), seq_length))
     hf.flavour_of(model)

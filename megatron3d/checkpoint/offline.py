@@ -33,10 +33,11 @@ def whole_chunk(name: str, tensor: torch.Tensor) -> dict:
 
 
 def write_checkpoint(root: Path, cfg: TrainConfig,
-                     pieces: Sequence[Iterable[tuple[str, torch.Tensor]]]) -> Path:
+                     pieces: Sequence[Iterable[tuple[str, torch.Tensor]]]) -> tuple[Path, int]:
     """``root/iter_0000000`` holding the tensors of ``pieces`` (each a lazy iterable, read
     in turn) and ``cfg``; ``root`` must hold no checkpoint (nothing saved is replaced). A
-    failure while reading a piece removes what was written."""
+    failure while reading a piece removes what was written. Returns the checkpoint and the
+    most tensor bytes held at once (the largest piece)."""
     if io.has_checkpoints(root) or root.is_file():
         raise ConfigError(f"--save {root} already holds checkpoints or is a file: choose a new "
                           "directory, nothing was written")
@@ -47,9 +48,11 @@ def write_checkpoint(root: Path, cfg: TrainConfig,
     with io.writing(root):
         io.clear_for_save(root, 0)
         tmp.mkdir()
+    peak = 0
     try:
         for rank, piece in enumerate(pieces):
             chunks = [whole_chunk(name, t) for name, t in piece]
+            peak = max(peak, sum(c["data"].numel() * 4 for c in chunks))
             with io.writing(root):
                 io.write_rank(tmp, rank, {"chunks": chunks, "rng": None, "iteration": 0,
                                           "rank": rank, "layout": layout})
@@ -62,4 +65,4 @@ def write_checkpoint(root: Path, cfg: TrainConfig,
             "consumed_tokens": 0, "adam_step": 0, "layout": layout, "loss_scaler": None,
             "series": uuid.uuid4().hex, "config": dataclasses.asdict(cfg)})
         io.publish(root, 0)
-    return final
+    return final, peak

@@ -39,10 +39,11 @@ def _run(argv: Sequence[str] | None) -> int:
             "max_position_embeddings (2048 for BLOOM)")
     args = p.parse(argv)
     setup_logging(0, 0)
-    written = import_hf(args.hf, args.save, args.tensor_model_parallel_size,
-                        args.pipeline_model_parallel_size, args.seq_length)
-    logger.info("wrote %s: train it with pretrain_gpt.py --load %s --use-checkpoint-args",
-                written, args.save)
+    written, peak = import_hf(args.hf, args.save, args.tensor_model_parallel_size,
+                              args.pipeline_model_parallel_size, args.seq_length)
+    logger.info("wrote %s (peak tensor memory %.3f GiB, one layer): train it with "
+                "pretrain_gpt.py --load %s --use-checkpoint-args", written, peak / 2.0**30,
+                args.save)
     return 0
 
 
