@@ -18,15 +18,10 @@ from typing import Any
 import torch
 
 from megatron3d.checkpoint import hf
+from megatron3d.checkpoint.contents import Layout, model_tensors, stage_params
 from megatron3d.checkpoint.offline import write_checkpoint
 from megatron3d.config import ModelConfig, ParallelConfig, TrainConfig, TrainingConfig
 from megatron3d.errors import CheckpointError, ConfigError
-from megatron3d.model.context import LayerContext
-from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts
-from megatron3d.mpu.meta import get_meta
-from megatron3d.mpu.state import AxisGroup
-from megatron3d.pipeline.partition import partition_layers
-from megatron3d.pipeline.spec import build_stage
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -83,37 +78,17 @@ def _lookup(state: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tens
     return state[name].to(torch.float32)
 
 
-def check_layout(model: ModelConfig, tp: int, pp: int) -> None:
-    """The model can be split into ``tp`` x ``pp`` (the same rules training applies)."""
-    for what, size in (("attention heads", model.num_attention_heads),
-                       ("key/value heads", model.query_groups), ("MLP size", model.ffn_size)):
-        if size % tp:
-            raise ConfigError(f"the model's {what} ({size}) are not divisible by "
-                              f"--tensor-model-parallel-size {tp}: choose a size that divides "
-                              f"{size}")
-    ctx = LayerContext(model, AxisGroup.single(), 0, device=torch.device("meta"))
-    partition_layers([s.type_name for s in gpt_layer_specs(ctx)], layer_param_counts(ctx), pp,
-                     ParallelConfig().pp_partition_method)
-
-
-def logical_names(model: ModelConfig) -> list[str]:
-    """Our logical tensor names for ``model`` (each tied weight once)."""
-    ctx = LayerContext(model, AxisGroup.single(), 0, device=torch.device("meta"))
-    specs = gpt_layer_specs(ctx)
-    return [get_meta(p).name for p in build_stage(specs, 0, len(specs)).parameters()]
-
-
 def import_hf(hf_dir: str, save: str, tp: int, pp: int,
               seq_length: int | None) -> tuple[Path, int]:
     """The checkpoint written and its peak tensor bytes (one layer's)."""
     directory = Path(hf_dir)
     model = ModelConfig(**hf.model_fields(read_config(directory), seq_length))
     hf.flavour_of(model)
-    check_layout(model, tp, pp)
+    stage_params(model, Layout(tp, pp, 1, 0), ParallelConfig().pp_partition_method)  # checks
     get = weights(directory)
     cfg = TrainConfig(model=model, training=TrainingConfig(),
                       parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                               pipeline_model_parallel_size=pp))
     pieces = [hf.from_hf(model, names, get)
-              for names in hf.pieces_by_layer(logical_names(model))]
+              for names in hf.pieces_by_layer([t.meta.name for t in model_tensors(model)])]
     return write_checkpoint(Path(save), cfg, pieces)

@@ -115,7 +115,7 @@ def test_a_layout_the_model_cannot_take_is_refused(tmp_path, capsys):
     capsys.readouterr()
     assert import_hf.main(["--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt"),
                            "--tensor-model-parallel-size", "4"]) == 2
-    assert "key/value heads (2) are not divisible" in capsys.readouterr().err
+    assert "key/value groups (2) are not divisible" in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
 
 
