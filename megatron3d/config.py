@@ -34,6 +34,7 @@ from megatron3d.ranges import (
 PositionEmbeddingType = Literal["learned_absolute", "rope", "alibi"]
 Normalization = Literal["layernorm", "rmsnorm"]
 LRDecayStyle = Literal["constant", "linear", "cosine"]
+ZERO_STAGES = (0, 1, 3)
 
 
 @dataclass(frozen=True, kw_only=True)

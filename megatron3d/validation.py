@@ -21,7 +21,7 @@ import math
 import re
 from typing import Any
 
-from megatron3d.config import SECTIONS, Range, TrainConfig, flat_fields
+from megatron3d.config import SECTIONS, ZERO_STAGES, Range, TrainConfig, flat_fields
 from megatron3d.data.builder import parse_split
 from megatron3d.errors import ConfigError
 from megatron3d.training.batch_schedule import BatchSchedule
@@ -29,7 +29,6 @@ from megatron3d.training.batch_schedule import BatchSchedule
 _REQUIRED = (
     "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
 )
-_ZERO_STAGES = (0, 1, 3)
 _PARTITION_METHODS = ("uniform", "parameters")
 _TYPE_PREFIX = "type:"
 
@@ -294,7 +293,7 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
                 {name: size, "tensor_model_parallel_size": tp},
                 f"pick a --tensor-model-parallel-size that divides {size}",
             )
-    if parallel.zero_stage not in _ZERO_STAGES:
+    if parallel.zero_stage not in ZERO_STAGES:
         raise _error(
             "unknown ZeRO stage", {"zero_stage": parallel.zero_stage},
             "use --zero-stage 0, 1 or 3",

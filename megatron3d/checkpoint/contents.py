@@ -13,7 +13,7 @@ import torch
 
 from megatron3d.checkpoint.chunks import KINDS
 from megatron3d.checkpoint.reader import CheckpointReader
-from megatron3d.config import ModelConfig
+from megatron3d.config import ZERO_STAGES, ModelConfig
 from megatron3d.errors import CheckpointError, ConfigError
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts
@@ -21,8 +21,6 @@ from megatron3d.mpu.meta import ParamMeta, get_meta
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.partition import partition_layers
 from megatron3d.pipeline.spec import build_stage
-
-ZERO_STAGES = (0, 1, 3)
 
 
 @dataclass(frozen=True)
