@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -24,11 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron3d.checkpoint import payload
 from megatron3d.errors import CheckpointError
 
 FORMAT_VERSION = 1
 LATEST = "latest"
 LEGACY_SERIES = ""  # the series of checkpoints written before meta.json named one
+_INT64_MAX = 2**63 - 1
+_ITERATION_DIGITS = 18  # more is past int64, and past any run (iterations stay below 2**32)
 # Rank files are read with torch's weights-only unpickler: tensors and plain Python data,
 # never arbitrary classes, so loading cannot run code. Checkpoints written before the numpy
 # RNG state was stored as plain data hold one uint32 numpy array; these let it through.
@@ -129,6 +133,10 @@ def read_latest(root: Path) -> int:
         raise CheckpointError(f"{path} should hold an iteration number, found {text[:40]!r}: "
                               "write the iteration to load into it, or --load another "
                               "directory")
+    if len(text.lstrip("0")) > _ITERATION_DIGITS:  # int() refuses 4301+ digits: a traceback
+        raise CheckpointError(f"{path} holds a {len(text)}-digit number, {text[:20]}..., not "
+                              "an iteration: write the iteration to load into it, or --load "
+                              "another directory")
     return int(text)
 
 
@@ -180,6 +188,10 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if wrong:
         raise CheckpointError(f"{path} has missing or mistyped fields ({', '.join(wrong)}); "
                               "the file is damaged: load an earlier checkpoint")
+    impossible = _impossible_values(meta)
+    if impossible:
+        raise CheckpointError(f"{path} holds values no run saves ({', '.join(impossible)}); "
+                              "the file is damaged: load an earlier checkpoint")
     return meta
 
 
@@ -207,6 +219,33 @@ def _wrong_fields(meta: dict[str, Any]) -> list[str]:
     return wrong
 
 
+def _impossible_values(meta: dict[str, Any]) -> list[str]:
+    """``name=value`` of the well-typed fields whose values no run writes: negative or
+    past-int64 counters (training would stop with a traceback), a non-finite Adam step, a
+    layout that is no layout."""
+    def shown(name: str, value: Any) -> str:
+        return f"{name}={str(value)[:24]}"
+
+    bad = [shown(k, meta[k]) for k in ("iteration", "consumed_samples", "consumed_tokens")
+           if not 0 <= meta[k] <= _INT64_MAX]
+    step = meta["adam_step"]
+    if not (math.isfinite(step) and 0 <= step <= _INT64_MAX):
+        bad.append(shown("adam_step", step))
+    layout = meta["layout"]
+    bad += [shown(f"layout.{k}", layout[k]) for k in _LAYOUT_FIELDS
+            if not (0 if k == "zero_stage" else 1) <= layout[k] <= _INT64_MAX]
+    return bad
+
+
+_FOREIGN = "Unsupported global: GLOBAL "  # how torch names a class it refused to unpickle
+
+
+def _unreadable(path: Path, err: Exception) -> CheckpointError:
+    first = (str(err).splitlines() or [""])[0][:160]
+    return CheckpointError(f"{path} cannot be read ({type(err).__name__}: {first}); it is "
+                           "truncated or damaged, load an earlier checkpoint")
+
+
 def read_rank(directory: Path, rank: int) -> dict[str, Any]:
     path = rank_file(directory, rank)
     if not path.exists():
@@ -214,14 +253,19 @@ def read_rank(directory: Path, rank: int) -> dict[str, Any]:
                               "left files; load an earlier checkpoint")
     try:
         with torch.serialization.safe_globals(_LEGACY_NUMPY):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        found = str(err).split("Unsupported global: GLOBAL ")[-1].split(" ")[0]
+        if _FOREIGN not in str(err):
+            raise _unreadable(path, err) from None
+        found = str(err).split(_FOREIGN)[-1].split(" ")[0]
         raise CheckpointError(f"{path} holds an object other than tensors and plain data "
                               f"({found[:80]}), and unpickling it could run code, so it is not "
                               "loaded: this is not a megatron3d checkpoint or it was altered; "
                               "load a checkpoint from a trusted source") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0]}); it is truncated or damaged, load "
-                              "an earlier checkpoint") from None
+    except Exception as err:  # torch's unpickler trips over damaged bytes in many ways
+        raise _unreadable(path, err) from None
+    found = payload.problem(loaded)
+    if found is not None:
+        raise CheckpointError(f"{path} {found}: the file is damaged, load an earlier "
+                              "checkpoint")
+    return loaded

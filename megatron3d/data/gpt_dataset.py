@@ -26,6 +26,7 @@ from megatron3d.data.sample_index import (
     num_epochs_for,
     samples_in_epochs,
 )
+from megatron3d.data.sample_index_check import sample_index_problem
 from megatron3d.errors import DataError
 from megatron3d.log import get_logger
 
@@ -71,11 +72,18 @@ class GPTDataset:
                "epochs": self.num_epochs, "seed": seed, "split": name}
         started = time.perf_counter()
         split_seed = seed + (zlib.crc32(name.encode()) << 32)  # splits shuffle apart
+        entry = f"{os.path.basename(indexed.prefix)}_{name}_{seq_length}s_{self.num_epochs}ep"
         arrays = cache.get_or_build(
-            f"{os.path.basename(indexed.prefix)}_{name}_{seq_length}s_{self.num_epochs}ep", key,
+            entry, key,
             lambda: build_sample_index(indexed.sizes,
                                        np.arange(documents.start, documents.stop),
                                        seq_length, self.num_epochs, split_seed).arrays())
+        wrong = sample_index_problem(arrays, indexed.sizes, documents, seq_length,
+                                     self.num_epochs, samples_in_epochs(
+                                         self.tokens_per_epoch, seq_length, self.num_epochs))
+        if wrong is not None:  # a cache entry damaged since it was written
+            raise DataError(f"{cache.entry_path(entry, key)}: damaged index cache entry "
+                            f"({wrong}); delete the directory and it will be rebuilt")
         self.index = SampleIndex.from_arrays(arrays)
         assert len(self.index) == samples_in_epochs(self.tokens_per_epoch, seq_length,
                                                     self.num_epochs)

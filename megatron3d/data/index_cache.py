@@ -26,6 +26,7 @@ import shutil
 import socket
 import threading
 import time
+import tokenize
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -88,13 +89,14 @@ class IndexCache:
         """The arrays for ``key``: loaded if cached, else built by exactly one process."""
         if self.directory is None:
             return dict(build())
-        entry = os.path.join(self.directory, f"{name}-{cache_key(key)}")
+        entry = self.entry_path(name, key)
         lock = entry + ".lock"
         deadline = time.monotonic() + self.timeout_s
         announced = False
         while True:
             if os.path.isfile(os.path.join(entry, KEY_FILE)):
-                return _load(entry)
+                return _load(entry, key)
+            _check_not_damaged(entry, lock)
             if _try_lock(lock):
                 try:
                     with _refreshing(lock):
@@ -102,7 +104,7 @@ class IndexCache:
                             _write(entry, key, build())
                 finally:
                     os.remove(lock)
-                return _load(entry)
+                return _load(entry, key)
             if _remove_if_stale(lock):
                 continue
             if time.monotonic() > deadline:
@@ -113,6 +115,23 @@ class IndexCache:
                 logger.info("waiting for %s to be built by %s", entry, _holder(lock))
                 announced = True
             time.sleep(self.poll_s)
+
+    def entry_path(self, name: str, key: Mapping[str, Any]) -> str | None:
+        """The directory ``get_or_build(name, key, ...)`` uses (None without a directory)."""
+        if self.directory is None:
+            return None
+        return os.path.join(self.directory, f"{name}-{cache_key(key)}")
+
+
+def _check_not_damaged(entry: str, lock: str) -> None:
+    """An entry directory without its key file, or a lock that is no file, never goes away
+    by itself (entries are renamed into place whole; locks are files): say what to delete."""
+    if os.path.isdir(entry) and not os.path.isfile(os.path.join(entry, KEY_FILE)):
+        raise DataError(f"{entry}: index cache entry without its {KEY_FILE}; delete the "
+                        "directory and it will be rebuilt")
+    if os.path.isdir(lock):
+        raise DataError(f"{lock}: a directory where the index cache expects a lock file; "
+                        "delete it and restart")
 
 
 def _try_lock(lock: str) -> bool:
@@ -170,6 +189,8 @@ def _staleness(lock: str) -> str | None:
         with open(lock) as f:
             host, pid, _ = f.read().split()
         pid_number = int(pid)
+        if not 0 < pid_number < 2**31:  # os.kill would signal a group, or overflow
+            raise ValueError(pid)
     except FileNotFoundError:
         return None  # released meanwhile
     except (OSError, ValueError, UnicodeDecodeError):
@@ -193,8 +214,10 @@ def _write(entry: str, key: Mapping[str, Any], arrays: Mapping[str, np.ndarray])
     os.makedirs(tmp)
     for name, array in arrays.items():
         np.save(os.path.join(tmp, name + ".npy"), array, allow_pickle=False)
+    shapes = {name: [array.dtype.str, list(array.shape)] for name, array in arrays.items()}
     with open(os.path.join(tmp, KEY_FILE), "w") as f:
-        json.dump({"key": dict(key), "arrays": sorted(arrays)}, f, indent=1, sort_keys=True)
+        json.dump({"key": dict(key), "arrays": sorted(arrays), "shapes": shapes}, f, indent=1,
+                  sort_keys=True)
     try:
         os.rename(tmp, entry)
     except OSError:
@@ -203,14 +226,30 @@ def _write(entry: str, key: Mapping[str, Any], arrays: Mapping[str, np.ndarray])
             raise
 
 
-def _load(entry: str) -> dict[str, np.ndarray]:
+def _load(entry: str, key: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of ``entry``, checked against its key file: the key it was built for, and
+    each array's dtype and shape (entries written before shapes were recorded skip that)."""
     try:
         with open(os.path.join(entry, KEY_FILE), encoding="utf-8") as f:
-            names = json.load(f)["arrays"]
+            saved = json.load(f)
+        names, shapes = saved["arrays"], saved.get("shapes", {})
+        if saved["key"] != json.loads(json.dumps(dict(key))):
+            raise ValueError(f"{KEY_FILE} holds the key of another entry")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError(f"{KEY_FILE} lists {names!r}, not array names")
-        return {name: np.load(os.path.join(entry, name + ".npy"), mmap_mode="r",
-                              allow_pickle=False) for name in names}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"{entry}: unreadable index cache entry ({exc}); delete the directory "
-                        "and it will be rebuilt") from None
+        arrays = {name: np.load(os.path.join(entry, name + ".npy"), mmap_mode="r",
+                                allow_pickle=False) for name in names}
+        for name, array in arrays.items():
+            if name in shapes and shapes[name] != [array.dtype.str, list(array.shape)]:
+                raise ValueError(f"{name}.npy is {array.dtype.str} {list(array.shape)}, "
+                                 f"{KEY_FILE} says {shapes[name]}")
+        return arrays
+    except (OSError, ValueError, KeyError, TypeError, EOFError, SyntaxError,
+            tokenize.TokenError) as exc:  # numpy's header parser raises the last three
+        raise DataError(f"{entry}: unreadable index cache entry ({_first_line(exc)}); delete "
+                        "the directory and it will be rebuilt") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = (str(exc).splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
