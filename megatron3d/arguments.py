@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import math
 import sys
 import types
 import typing
@@ -140,7 +141,7 @@ def _convert(kind: type, value: Any) -> Any:
     if isinstance(value, kind):
         return value
     if kind is float and isinstance(value, int):
-        return float(value)
+        return float(value) if abs(value) < 2**1024 else math.inf  # range checks refuse it
     if kind in (int, float) and isinstance(value, str):
         return kind(value.strip())
     raise ValueError(value)

@@ -60,7 +60,8 @@ class ModelConfig:
     vocab_size: int | None = option(
         None, "Logical vocabulary size (the null/mock tokenizer's size).", range=VOCABULARY)
     make_vocab_size_divisible_by: int = option(
-        128, "Pad the vocabulary to a multiple of this times the TP size.", range=AT_LEAST_ONE)
+        128, "Pad the vocabulary to a multiple of this times the TP size.",
+        range=Range(1, 2**16))
     position_embedding_type: PositionEmbeddingType = option(
         "learned_absolute", "learned_absolute (GPT-2), alibi (BLOOM) or rope (Llama).")
     rotary_base: float = option(10000.0, "Base of the rotary frequencies.", range=POSITIVE)
@@ -334,7 +335,8 @@ class ResilienceConfig:
         range=Range(0, 2**24))
     distributed_timeout_minutes: int = option(
         10, "Timeout of every collective in the process group; keep it above --hang-timeout "
-        "so the watchdog reports a hang before the backend aborts.", range=AT_LEAST_ONE)
+        "so the watchdog reports a hang before the backend aborts.",
+        range=Range(1, 7 * 24 * 60))  # a week
     check_for_nan_in_loss_and_grad: bool = option(
         False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
         "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "

@@ -333,3 +333,13 @@ def test_an_alias_names_one_field_in_yaml_too(tmp_path):
     path.write_text("norm-epsilon: 1e-6\nlayernorm-epsilon: 1e-5\n")
     with pytest.raises(ConfigError, match="key given twice"):
         parse_args(["--config", str(path)])
+
+
+def test_a_yaml_integer_past_float_range_is_one_line(tmp_path):
+    """YAML reads a 401-digit number as an int; as a float field it is out of range."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"lr: {10**400}\n")
+    argv = [*shlex.split(LLAMA3_70B)[:-2], "--mock-data", "--vocab-size", "100"]  # no --lr
+    cfg = parse_args(["--config", str(path), *argv])
+    with pytest.raises(ConfigError, match="--lr must be a finite number"):
+        validate(cfg, 1)

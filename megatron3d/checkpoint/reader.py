@@ -62,8 +62,14 @@ class CheckpointReader:
         return (name, kind) in self._index
 
     def tensor(self, name: str, kind: str = "weight") -> torch.Tensor:
-        """The whole logical fp32 tensor (vocabulary padding dropped)."""
-        return assemble(name, kind, self._chunks(name, kind))
+        """The whole logical fp32 tensor (vocabulary padding dropped). Saving refuses NaN and
+        Inf, so one found here means a damaged file, refused before it is trained on."""
+        logical = assemble(name, kind, self._chunks(name, kind))
+        if not torch.isfinite(logical).all():
+            raise CheckpointError(f"{self.directory} holds NaN or Inf in {name} ({kind}), which "
+                                  "no save writes: the checkpoint is damaged, load an earlier "
+                                  "one")
+        return logical
 
     def shape(self, name: str, kind: str = "weight") -> tuple[int, ...]:
         """The logical tensor's shape from its chunk descriptions alone, reading no data (so

@@ -166,6 +166,14 @@ def test_load_of_a_checkpoint_or_a_file_names_the_root(copy, capsys, inside):
 
 # 4. Each rank file must be this checkpoint's own.
 
+def test_a_rank_file_holding_nan_is_refused(copy, capsys):
+    path = copy / "iter_0000003" / "rank_00000.pt"
+    payload = torch.load(path, weights_only=True)
+    payload["chunks"][0]["data"][0] = float("nan")
+    torch.save(payload, path)
+    _refused(train_argv("gpt2", 4, "--load", str(copy)), capsys, "holds NaN or Inf in", copy)
+
+
 def test_a_rank_file_from_another_iteration_is_refused(copy, capsys):
     shutil.copy(copy / "iter_0000002" / "rank_00000.pt", copy / "iter_0000003")
     _refused(train_argv("gpt2", 4, "--load", str(copy)), capsys,

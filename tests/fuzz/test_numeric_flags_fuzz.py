@@ -77,6 +77,8 @@ _ENTRY_CASES = {
     "layers 2**70": f"--num-layers={2**70}",
     "hidden words": "--hidden-size=abc",
     "dropout one": "--hidden-dropout=1",
+    "vocabulary multiple 2**70": f"--make-vocab-size-divisible-by={2**70}",
+    "timeout 2**70": f"--distributed-timeout-minutes={2**70}",
 }
 
 
