@@ -63,9 +63,40 @@ def export(load: str, output: str) -> ExportReport:
     (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                          "weight_map": dict(sorted(index.items()))}, indent=1))
     (tmp / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    logger.info("tokenizer: %s", export_tokenizer(cfg, tmp))
     shutil.rmtree(out, ignore_errors=True)  # an empty directory, checked above
     tmp.rename(out)
     return ExportReport(out, len(index), peak, largest)
+
+
+def export_tokenizer(cfg: TrainConfig, directory: Path) -> str:
+    """Copy the run's tokenizer files where transformers' AutoTokenizer finds them, when
+    transformers has a tokenizer that reads them as the run did; say what was done."""
+    spec = tokenizer_spec(cfg)
+    kind = spec.tokenizer_type if spec else None
+    if kind == "GPT2BPETokenizer":
+        files = {spec.vocab_file: "vocab.json", spec.merge_file: "merges.txt"}
+        settings = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": cfg.model.seq_length}
+    elif kind == "PretrainedFromHF":
+        source = Path(spec.tokenizer_name_or_path)
+        source = source if source.is_dir() else source.parent
+        files = {str(source / n): n for n in _HF_TOKENIZER_FILES if (source / n).is_file()}
+        settings = None if "tokenizer_config.json" in files.values() else {
+            "tokenizer_class": "PreTrainedTokenizerFast"}
+    else:
+        return (f"not exported ({kind or 'none: mock data'}): transformers has no tokenizer "
+                "that reads it exactly as megatron3d does")
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        return f"not exported: {missing[0]} is not here (the paths are the ones training used)"
+    for source, name in files.items():
+        shutil.copyfile(source, directory / name)
+    if settings is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))
+    return "copied " + ", ".join(sorted(files.values()))
+
+
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _eod(cfg: TrainConfig) -> int | None:
