@@ -1,0 +1,158 @@
+"""The model and its parallel layout: what is built and how it is split over ranks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron3d.ranges import (
+    AT_LEAST_ONE,
+    LAYERS,
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    SIZE,
+    VOCABULARY,
+    Range,
+    option,
+)
+
+PositionEmbeddingType = Literal["learned_absolute", "rope", "alibi"]
+Normalization = Literal["layernorm", "rmsnorm"]
+ZERO_STAGES = (0, 1, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The GPT family: GPT-2 by default, BLOOM and Llama-style through flags."""
+
+    num_layers: int = option(None, "Number of transformer blocks.", range=LAYERS)
+    hidden_size: int = option(None, "Transformer hidden size h.", range=SIZE)
+    num_attention_heads: int = option(
+        None, "Attention heads; must divide hidden size.", range=AT_LEAST_ONE)
+    group_query_attention: bool = option(
+        False, "Grouped-query attention: keys and values get --num-query-groups heads, each "
+        "shared by a group of query heads (Llama-2-70B, Llama-3).")
+    num_query_groups: int | None = option(
+        None, "Key/value heads under --group-query-attention; divides the head count and is "
+        "divisible by the tensor-parallel size.", range=AT_LEAST_ONE)
+    ffn_hidden_size: int | None = option(
+        None, "MLP inner size; default 4h, or 2/3 of 4h rounded down to 64 with --swiglu.",
+        range=SIZE)
+    seq_length: int = option(None, "Tokens per training sample.", range=SIZE)
+    max_position_embeddings: int | None = option(
+        None, "Learned position table size; default --seq-length.", range=SIZE)
+    vocab_size: int | None = option(
+        None, "Logical vocabulary size (the null/mock tokenizer's size).", range=VOCABULARY)
+    make_vocab_size_divisible_by: int = option(
+        128, "Pad the vocabulary to a multiple of this times the TP size.",
+        range=Range(1, 2**16))
+    position_embedding_type: PositionEmbeddingType = option(
+        "learned_absolute", "learned_absolute (GPT-2), alibi (BLOOM) or rope (Llama).")
+    rotary_base: float = option(10000.0, "Base of the rotary frequencies.", range=POSITIVE)
+    normalization: Normalization = option("layernorm", "layernorm or rmsnorm.")
+    layernorm_epsilon: float = option(1e-5, "Epsilon of every normalisation layer.",
+                                      range=POSITIVE, aliases=("norm_epsilon",))
+    swiglu: bool = option(False, "SwiGLU MLP (gate and up projections, SiLU).")
+    embed_layernorm: bool = option(False, "LayerNorm right after the word embedding (BLOOM).")
+    untie_embeddings_and_output_weights: bool = option(
+        False, "Give the LM head its own weight instead of the input embedding's.")
+    disable_bias_linear: bool = option(False, "No biases in linear layers (Llama-style).")
+    init_method_std: float = option(0.02, "Std of the normal initialisation.", range=POSITIVE)
+    hidden_dropout: float = option(0.1, "Dropout on attention and MLP outputs.", range=PROBABILITY)
+    attention_dropout: float = option(0.1, "Dropout on attention probabilities.", range=PROBABILITY)
+    checkpoint_activations: bool = option(
+        False, "Recompute each transformer block in the backward pass to save memory.")
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3) // 64 * 64
+        return 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: one per query head without grouped-query attention."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def add_bias(self) -> bool:
+        return not self.disable_bias_linear
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Vocabulary rows actually allocated; the extra rows are zero and masked out."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The parallel layout; the data-parallel size is derived from the world size."""
+
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel size (TP).", range=AT_LEAST_ONE)
+    pipeline_model_parallel_size: int = option(
+        1, "Pipeline-parallel size (PP).", range=AT_LEAST_ONE)
+    zero_stage: int = option(0, "ZeRO stage for data parallelism (0, 1 or 3).")
+    pp_partition_method: str = option(
+        "parameters", "Pipeline partitioning: uniform, parameters or type:REGEX.")
+    reduce_bucket_size: int = option(
+        500_000_000, "Elements per data-parallel gradient bucket (reduced as backward runs).",
+        range=Range(1, 2**40))
+    pipeline_schedule: Literal["1f1b", "gpipe"] = option(
+        "1f1b", "Pipeline schedule: 1f1b (at most PP micro-batches in flight) or gpipe.")
+    sequence_parallel: bool = option(
+        False, "Shard norms and dropout along the sequence inside TP groups (saves memory).")
+    check_replicas_interval: int = option(
+        1000, "Check TP-replicated parameters are identical every N steps (0: only at start).",
+        range=NON_NEGATIVE)
+    print_topology: bool = option(False, "Print the rank/group table for this layout and exit.")
+    overlap_param_gather: bool = option(
+        False, "ZeRO-1: all-gather updated parameters asynchronously after the step, each "
+        "bucket awaited just before its first use in the next forward.")
+    grad_reduce_in_bf16: bool = option(
+        False, "Send data-parallel gradients in bf16 (half the traffic); they still "
+        "accumulate in fp32. Default: reduce in fp32.")
+    accumulate_allreduce_grads_in_fp32: bool = option(
+        False, "Accepted for Megatron-DeepSpeed scripts: fp32 reduction is the default.")
+    zero3_prefetch_depth: int = option(
+        1, "ZeRO-3: how many units ahead to all-gather while the current one computes.")
+    zero3_max_live_units: int = option(
+        0, "ZeRO-3: gathered units resident at once (buffers allocated at start); "
+        "0 means prefetch depth + 1.")
+    zero3_allreduce_fetch: bool = option(
+        False, "ZeRO-3: gather a unit by all-reducing a zero-filled full buffer instead of "
+        "an all-gather (same bits; faster on some backends).")
+    zero3_reshard_after_forward: Literal["true", "false"] = option(
+        "true", "ZeRO-3: free gathered units after each use (true) or keep a stage's units "
+        "gathered for the whole step (false: one gather per unit per step, more memory).")
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.zero3_reshard_after_forward == "true"
+
+    @property
+    def live_units(self) -> int:
+        """Pool slots for ZeRO-3 units (resolves the 0 default)."""
+        return self.zero3_max_live_units or self.zero3_prefetch_depth + 1
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size

@@ -1,0 +1,128 @@
+"""What surrounds training: data, logging, checkpoints and resilience."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron3d.ranges import (
+    AT_LEAST_ONE,
+    ITERATIONS,
+    NON_NEGATIVE,
+    POSITIVE,
+    Range,
+    option,
+)
+
+TokenizerType = Literal["SentencePieceTokenizer", "PretrainedFromHF", "GPT2BPETokenizer",
+                        "NullTokenizer"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where training samples come from: Megatron .bin/.idx datasets, or mock data."""
+
+    mock_data: bool = option(False, "Synthetic Markov-chain tokens; needs --vocab-size.")
+    data_path: tuple[str, ...] | None = option(
+        None, "Dataset prefix without .bin/.idx (e.g. data/corpus_text_document), or "
+        "'W1 P1 W2 P2 ...' weight-prefix pairs blended by sampling proportion.")
+    data_path_file: str | None = option(
+        None, "File holding the --data-path words (for long blends); '#' starts a comment.")
+    data_impl: Literal["mmap"] = option(
+        "mmap", "Dataset format; the memory-mapped .bin/.idx format is the one supported.")
+    split: str = option("969, 30, 1", "Train, valid, test shares of each dataset's documents.")
+    tokenizer_type: TokenizerType | None = option(
+        None, "Tokenizer the data was made with; its vocabulary sizes the model.")
+    tokenizer_model: str | None = option(None, "SentencePiece model file (SentencePieceTokenizer).")
+    vocab_file: str | None = option(None, "GPT-2 vocab.json (GPT2BPETokenizer).")
+    merge_file: str | None = option(None, "GPT-2 merges.txt (GPT2BPETokenizer).")
+    tokenizer_name_or_path: str | None = option(
+        None, "Local Hugging Face tokenizer directory or tokenizer.json (PretrainedFromHF); "
+        "never downloaded.")
+    data_cache_path: str | None = option(
+        None, "Directory for dataset index caches; default index-cache beside the first dataset.")
+    dry_run_data: bool = option(
+        False, "Print each source's weight, samples drawn and implied epochs, then exit.")
+    eod_mask_loss: bool = option(
+        False, "No loss on positions whose input token is end-of-document.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """The log line and TensorBoard."""
+
+    log_interval: int = option(
+        100, "Print the iteration line every this many iterations.", range=AT_LEAST_ONE)
+    tensorboard_dir: str | None = option(None, "Write TensorBoard event files here.")
+    tensorboard_log_interval: int = option(
+        1, "Write TensorBoard scalars every this many iterations.", range=AT_LEAST_ONE)
+    log_num_zeros_in_grad: bool = option(
+        False, "Count the zero gradient elements (padding rows of the vocabulary excluded) "
+        "and log them as 'num zeros'.")
+    log_params_norm: bool = option(
+        False, "Log the global norm of the parameters (each logical parameter once).")
+    peak_tflops: float | None = option(
+        None, "Device peak TFLOP/s for MFU; default known for A100/H100.", range=POSITIVE)
+    memory_report: bool = option(
+        False, "After the first step, print each rank's measured parameter, gradient and "
+        "optimizer-state bytes (and the device's allocated bytes).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Saving, resuming and stopping early (preemption, time limits)."""
+
+    save: str | None = option(None, "Directory to save checkpoints in (shared by all nodes).")
+    save_interval: int | None = option(
+        None, "Save every this many iterations (and at the end).", range=ITERATIONS)
+    keep_last_n: int | None = option(
+        None, "Keep only the newest N checkpoints of this run's series (never another's).",
+        range=AT_LEAST_ONE)
+    new_series: bool = option(
+        False, "Let --save hold another run's checkpoints: this run starts a new series there "
+        "and 'latest' follows it; the other checkpoints stay, except one at an iteration this "
+        "run saves, which it replaces.")
+    load: str | None = option(
+        None, "Resume from the newest checkpoint here; an empty or missing directory starts "
+        "from scratch, so a requeued job can rerun the same command.")
+    finetune: bool = option(False, "Load only the weights: iteration, optimizer and data start "
+                          "from zero.")
+    use_checkpoint_args: bool = option(
+        False, "Take the model flags from the checkpoint in --load.")
+    no_load_optim: bool = option(
+        False, "Resume without the optimizer state (Adam moments start from zero; the fp32 "
+        "master weights come from the loaded model).")
+    no_load_rng: bool = option(
+        False, "Resume without the saved random states (dropout and data noise are seeded "
+        "afresh).")
+    exit_interval: int | None = option(
+        None, "Save and stop at the first iteration divisible by N.", range=ITERATIONS)
+    exit_duration_in_mins: float | None = option(
+        None, "Save and stop once training has run this many minutes.", range=POSITIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResilienceConfig:
+    """What happens when a run hangs or diverges: watchdog, hang dumps, non-finite steps."""
+
+    hang_timeout: float = option(
+        300.0, "Seconds without a finished step after which every rank writes a hang dump "
+        "(stacks, recent collectives, coordinates) and exits non-zero; 0 disables the watchdog.",
+        range=NON_NEGATIVE)
+    hang_startup_timeout: float = option(
+        1800.0, "The watchdog's allowance during start-up, checkpoint load and save, "
+        "evaluation, and until the first step finishes.", range=NON_NEGATIVE)
+    hang_dump_dir: str | None = option(
+        None, "Directory for hang dumps (rank-XXXXX.txt); default SAVE/hang, or ./hang "
+        "without --save. SIGUSR2 writes a dump there without stopping the run.")
+    flight_recorder_size: int = option(
+        2048, "Collective and point-to-point operations each rank remembers for hang dumps.",
+        range=Range(0, 2**24))
+    distributed_timeout_minutes: int = option(
+        10, "Timeout of every collective in the process group; keep it above --hang-timeout "
+        "so the watchdog reports a hang before the backend aborts.",
+        range=Range(1, 7 * 24 * 60))  # a week
+    check_for_nan_in_loss_and_grad: bool = option(
+        False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
+        "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "
+        "on every rank and counted in 'number of nan iterations'.")
