@@ -1,9 +1,11 @@
-"""The shell scripts: syntax, shellcheck, and the SLURM launch command they render.
+"""The shell scripts: syntax, shellcheck, the SLURM launch command they render, and a fresh
+clone that stays clean after the quickstart and a cpu_tiny run.
 
 The SLURM scripts are rendered for a fake allocation with ``LAUNCH_DRY_RUN=1`` (launch.sh
-prints its srun command line instead of running it) and a stub ``scontrol`` that expands
-host lists, so these tests need neither Slurm nor GPUs. Every example's pretrain_gpt.py flags
-are then parsed and validated for its world size, as pretrain_gpt.py would at start.
+prints the layout, the outputs and its srun command line instead of running it) on a machine
+without a Slurm configuration: ``scontrol`` on PATH fails, or there is none, and launch.sh
+expands the host list itself. Every example's pretrain_gpt.py flags are then parsed and
+validated for its world size, as pretrain_gpt.py would at start.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,45 +79,81 @@ def test_shellcheck(shellcheck: str, script: Path) -> None:
 
 
 # --- the rendered launch command ------------------------------------------------------------
-STUB_SCONTROL = r'''#!PYTHON
-"""scontrol show hostnames LIST: prefix[001-004,007],other -> one host per line."""
+FAILING_SCONTROL = """#!/bin/sh
+echo "scontrol: fatal: Could not establish a configuration source" >&2
+exit 1
+"""
+# A working scontrol, told apart from launch.sh's own expansion by the names it prints.
+WORKING_SCONTROL = r'''#!PYTHON
 import re
 import sys
 
 assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
-for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,]+)", sys.argv[3]):
-    if plain:
-        print(plain)
-        continue
-    for part in ranges.split(","):
+for prefix, ranges in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?", sys.argv[3]):
+    for part in ranges.split(",") if ranges else [""]:
         low, _, high = part.partition("-")
-        for i in range(int(low), int(high or low) + 1):
-            print(f"{prefix}{i:0{len(low)}d}")
+        for i in range(int(low or 0), int(high or low or 0) + 1):
+            print(f"scontrol-{prefix}{i:0{len(low)}d}" if low else f"scontrol-{prefix}")
 '''
+KINDS = ("failing-scontrol", "no-scontrol", "working-scontrol")
+BASH = shutil.which("bash") or "/bin/bash"
+PORT = str(20000 + 12345 % 10000)  # launch.sh's default for job 12345
+
+
+def _executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
 
 
 @pytest.fixture(scope="module")
-def stub_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("stub-bin")
-    scontrol = folder / "scontrol"
-    scontrol.write_text(STUB_SCONTROL.replace("PYTHON", sys.executable, 1))
-    scontrol.chmod(0o755)
-    return folder
+def bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A PATH folder per kind of machine; each holds nothing but its scontrol, so a dry run
+    that needed any other command would fail."""
+    root = tmp_path_factory.mktemp("bin")
+    folders = {kind: root / kind for kind in KINDS}
+    for folder in folders.values():
+        folder.mkdir()
+    _executable(folders["failing-scontrol"] / "scontrol", FAILING_SCONTROL)
+    _executable(folders["working-scontrol"] / "scontrol",
+                WORKING_SCONTROL.replace("PYTHON", sys.executable, 1))
+    return folders
 
 
-def render(stub_bin: Path, script: Path, nodes: int, node_id: int = 0,
-           **extra: str) -> list[str]:
-    """The srun command line launch.sh would run for a fake allocation gpu[001-nodes]."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.pop("MASTER_PORT", None)
-    env.update(PATH=f"{stub_bin}:{env.get('PATH', '')}", LAUNCH_DRY_RUN="1",
-               SLURM_JOB_ID="12345", SLURM_JOB_NAME=script.stem, SLURM_SUBMIT_DIR=str(REPO),
-               SLURM_JOB_NODELIST=f"gpu[001-{nodes:03d}]", SLURM_NNODES=str(nodes),
-               SLURM_NODEID=str(node_id), **extra)
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+def slurm_env(path: str, job_name: str, nodelist: str, nodes: int, **extra: str) -> dict[str, str]:
+    """The environment of a fake allocation; extra adds or overrides variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("MASTER_PORT", "SCRATCH")}
+    env.update({"PATH": path, "SLURM_JOB_ID": "12345", "SLURM_JOB_NAME": job_name,
+                "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_NODELIST": nodelist,
+                "SLURM_NNODES": str(nodes), **extra})
+    return env
+
+
+def dry_run(path: Path, script: Path, nodelist: str, nodes: int,
+            **extra: str) -> subprocess.CompletedProcess:
+    env = slurm_env(str(path), script.stem, nodelist, nodes, LAUNCH_DRY_RUN="1", **extra)
+    return subprocess.run([BASH, str(script)], env=env, capture_output=True, text=True,
                           check=False)
+
+
+def render(path: Path, script: Path, nodelist: str, nodes: int,
+           **extra: str) -> tuple[list[str], list[str]]:
+    """launch.sh's description lines (without "# ") and the srun command line it would run."""
+    done = dry_run(path, script, nodelist, nodes, **extra)
     assert done.returncode == 0, done.stderr
-    return shlex.split(done.stdout)
+    *described, command = done.stdout.splitlines()
+    assert all(line.startswith("# ") for line in described), done.stdout
+    return [line[2:] for line in described], shlex.split(command)
+
+
+def hostlist(nodes: int) -> tuple[str, list[str]]:
+    """A host list with a plain name, a range and a single number in brackets, expanded."""
+    if nodes == 1:
+        return "gpu001", ["gpu001"]
+    if nodes == 2:
+        return "gpu[001],cpu9", ["gpu001", "cpu9"]
+    return (f"gpu[001,003-{nodes:03d}],cpu9",
+            ["gpu001", *(f"gpu{i:03d}" for i in range(3, nodes + 1)), "cpu9"])
 
 
 def value(argv: list[str], flag: str) -> str:
@@ -125,55 +164,220 @@ def sbatch_nodes(script: Path) -> int:
     return int(re.search(r"^#SBATCH --nodes=(\d+)$", script.read_text(), re.MULTILINE)[1])
 
 
-def test_four_node_command(stub_bin: Path) -> None:
+def training_flags(argv: list[str]) -> list[str]:
+    return argv[argv.index(str(REPO / "pretrain_gpt.py")) + 1:]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=[p.name for p in SLURM_SCRIPTS])
+def test_dry_run_without_slurm_configuration(bins: dict[str, Path], tmp_path: Path,
+                                             script: Path, kind: str) -> None:
+    """Nodes, rendezvous, TP x PP x DP and outputs outside the repository, with scontrol
+    failing (no configuration), absent, or working (then its expansion is the one used)."""
+    nodes = sbatch_nodes(script)
+    nodelist, names = hostlist(nodes)
+    if kind == "working-scontrol":
+        names = [f"scontrol-{name}" for name in names]
+    scratch = tmp_path / "scratch"
+    (layout, hosts, outputs), argv = render(bins[kind], script, nodelist, nodes,
+                                            SCRATCH=str(scratch), HOME=str(tmp_path))
+    flags = training_flags(argv)
+    gpus = int(value(argv, "--nproc-per-node"))
+    tp = int(value(flags, "--tensor-model-parallel-size"))
+    pp = int(value(flags, "--pipeline-model-parallel-size"))
+    world = nodes * gpus
+    assert layout.endswith(f"{nodes} node(s) x {gpus} workers = world {world} = "
+                           f"TP {tp} x PP {pp} x DP {world // (tp * pp)}")
+    assert hosts == f"nodes {' '.join(names)}; rendezvous {names[0]}:{PORT}"
+    assert argv[:2] == ["srun", f"--nodes={nodes}"] and value(argv, "--nnodes") == str(nodes)
+    assert value(argv, "--rdzv-endpoint") == f"{names[0]}:{PORT}"
+    run_dir = scratch / "megatron3d" / script.stem
+    assert value(flags, "--save") == value(flags, "--load") == str(run_dir / "checkpoints")
+    written = [value(flags, "--save")]
+    if "--data-path" in flags:  # cpu_tiny uses --mock-data and no TensorBoard
+        assert value(flags, "--data-cache-path") == str(scratch / "megatron3d" / "index-cache")
+        assert value(flags, "--tensorboard-dir") == str(run_dir / "tensorboard")
+        written += [value(flags, "--data-cache-path"), value(flags, "--tensorboard-dir")]
+        assert not Path(value(flags, "--data-path")).is_relative_to(REPO)
+    assert all(path in outputs for path in written), outputs
+    assert not any(Path(path).is_relative_to(REPO) for path in written), written
+
+
+def test_four_node_command(bins: dict[str, Path], tmp_path: Path) -> None:
     script = SLURM_DIR / "pretrain_gpt.slurm"
-    argv = render(stub_bin, script, nodes=4, node_id=2)
+    path = bins["failing-scontrol"]
+    _, argv = render(path, script, "gpu[001-004]", 4, HOME=str(tmp_path), SLURM_NODEID="2")
     # One srun task per node; each runs torchrun with SIGUSR1 ignored (see launch.sh).
     torchrun = argv.index("torchrun")
     srun, wrapper, cmd = argv[:4], argv[4:torchrun], argv[torchrun:]
     assert srun == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert wrapper[:2] == ["bash", "-c"] and 'trap "" USR1' in wrapper[2]
-    assert value(cmd, "--nnodes") == "4"
     assert value(cmd, "--nproc-per-node") == "8"
     assert value(cmd, "--rdzv-backend") == "c10d"
-    assert value(cmd, "--rdzv-endpoint") == f"gpu001:{20000 + 12345 % 10000}"
     assert value(cmd, "--rdzv-id") == "12345"
-    entry = cmd.index(str(REPO / "pretrain_gpt.py"))
-    flags = cmd[entry + 1:]
-    assert value(flags, "--tensor-model-parallel-size") == "2"
-    assert value(flags, "--pipeline-model-parallel-size") == "2"
+    flags = training_flags(cmd)
     assert value(flags, "--zero-stage") == "1"
-    assert value(flags, "--save") == value(flags, "--load") == "checkpoints/pretrain_gpt"
+    # Without $SCRATCH, outputs go to ~/scratch; each directory can be moved on its own.
+    assert value(flags, "--save") == f"{tmp_path}/scratch/megatron3d/pretrain_gpt/checkpoints"
     assert value(flags, "--save-interval") == "1000"
     # The same command on every node: c10d rendezvous numbers the nodes, not SLURM_NODEID.
-    assert render(stub_bin, script, nodes=4, node_id=0) == argv
-    assert value(render(stub_bin, script, nodes=4, MASTER_PORT="29500"),
-                 "--rdzv-endpoint") == "gpu001:29500"
+    assert render(path, script, "gpu[001-004]", 4, HOME=str(tmp_path), SLURM_NODEID="0")[1] == argv
+    _, moved = render(path, script, "gpu[001-004]", 4, HOME=str(tmp_path), MASTER_PORT="29500",
+                      OUTPUT_ROOT="/o", RUN_DIR="/r", TENSORBOARD_DIR="/tb")
+    assert value(moved, "--rdzv-endpoint") == "gpu001:29500"
+    assert [value(moved, f) for f in ("--save", "--tensorboard-dir", "--data-cache-path")] \
+        == ["/r/checkpoints", "/tb", "/o/index-cache"]
+
+
+# Slurm's host list forms; where scontrol can run with a minimal configuration it must agree.
+HOSTLISTS = {
+    "node[01-04,07],other[1-2]": "node01 node02 node03 node04 node07 other1 other2",
+    "rack[1-2]-n[01-02]": "rack1-n01 rack1-n02 rack2-n01 rack2-n02",
+    "a1,b[8-10]": "a1 b8 b9 b10",
+    "c[098-101]": "c098 c099 c100 c101",
+}
+
+
+@pytest.mark.parametrize("nodelist", HOSTLISTS)
+def test_hostlist_expansion(bins: dict[str, Path], tmp_path: Path, nodelist: str) -> None:
+    expected = HOSTLISTS[nodelist].split()
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        conf = tmp_path / "slurm.conf"
+        conf.write_text("ClusterName=c\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\n"
+                        "PartitionName=p Nodes=localhost\n")
+        done = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
+                              text=True, check=False, env={**os.environ, "SLURM_CONF": str(conf)})
+        if done.returncode == 0:
+            assert done.stdout.split() == expected
+    lines, _ = render(bins["no-scontrol"], SLURM_DIR / "cpu_tiny.slurm", nodelist,
+                      len(expected), HOME=str(tmp_path))
+    assert lines[1].startswith(f"nodes {' '.join(expected)}; rendezvous {expected[0]}:")
+
+
+@pytest.mark.parametrize(("nodelist", "nodes", "hook", "message"), [
+    ("gpu[001-", 1, "", "SLURM_JOB_NODELIST is 'gpu[001-': not a host list like"),
+    ("gpu[1-2]", 3, "", "SLURM_JOB_NODELIST expands to 2 hosts, SLURM_NNODES is 3"),
+    ("gpu1", 1, "GPUS_PER_NODE=3", "world size 3 (1 node(s) x 3) is not divisible by TP 1 x PP 2"),
+    ("gpu1", 1, "TRAIN_ARGS+=(--tensor-model-parallel-size=0)",
+     "--tensor-model-parallel-size is '0': give a positive integer"),
+])
+def test_bad_allocation_is_one_line(bins: dict[str, Path], tmp_path: Path, nodelist: str,
+                                    nodes: int, hook: str, message: str) -> None:
+    (tmp_path / "hook.sh").write_text(hook)
+    done = dry_run(bins["no-scontrol"], SLURM_DIR / "cpu_tiny.slurm", nodelist, nodes,
+                   HOME=str(tmp_path), SETUP_HOOK=str(tmp_path / "hook.sh"))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+def test_setup_hook_runs_before_the_launch(bins: dict[str, Path], tmp_path: Path) -> None:
+    """The site hook (module load, a container) is sourced first and can add srun options."""
+    hook = tmp_path / "site.sh"
+    hook.write_text(': "$NEVER_SET"  # module and conda scripts read unset variables\n'
+                    'SRUN_ARGS=(--container-image=nvcr.io#nvidia/pytorch:24.09-py3)\n')
+    _, argv = render(bins["failing-scontrol"], SLURM_DIR / "gpt2_1.3b_1node.slurm", "g1", 1,
+                     HOME=str(tmp_path), SETUP_HOOK=str(hook))
+    assert argv[4:6] == ["--container-image=nvcr.io#nvidia/pytorch:24.09-py3", "bash"]
+    done = dry_run(bins["no-scontrol"], SLURM_DIR / "cpu_tiny.slurm", "g1", 1,
+                   HOME=str(tmp_path), SETUP_HOOK=str(tmp_path / "missing.sh"))
+    assert done.returncode == 2 and "SETUP_HOOK=" in done.stderr and "missing.sh" in done.stderr
 
 
 @pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=[p.name for p in SLURM_SCRIPTS])
-def test_flags_are_valid_for_the_allocation(stub_bin: Path, script: Path) -> None:
+def test_flags_are_valid_for_the_allocation(bins: dict[str, Path], tmp_path: Path,
+                                            script: Path) -> None:
     """Every flag exists and the layout, batch sizes and ramp fit nodes x GPUs per node."""
     nodes = sbatch_nodes(script)
-    argv = render(stub_bin, script, nodes)
+    _, argv = render(bins["failing-scontrol"], script, hostlist(nodes)[0], nodes,
+                     HOME=str(tmp_path))
     world = nodes * int(value(argv, "--nproc-per-node"))
-    flags = argv[argv.index(str(REPO / "pretrain_gpt.py")) + 1:]
-    validate(parse_args(flags), world)
+    validate(parse_args(training_flags(argv)), world)
 
 
 @pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=[p.name for p in SLURM_SCRIPTS])
 def test_sbatch_header(script: Path) -> None:
     """What launch.sh relies on: one task per node, the warning signal to the batch shell, a
-    requeueable job, and one appended log per job."""
-    header = set(re.findall(r"^#SBATCH (\S+)", script.read_text(), re.MULTILINE))
+    requeueable job, and one appended log per job; and the site placeholders users fill in."""
+    text = script.read_text()
+    header = set(re.findall(r"^#SBATCH (\S+)", text, re.MULTILINE))
     assert {"--ntasks-per-node=1", "--requeue", "--output=logs/%x-%j.out",
             "--open-mode=append"} <= header
     assert any(re.fullmatch(r"--signal=B:USR1@\d+", h) for h in header)
-    assert script.read_text().rstrip().endswith('source "$MEGATRON3D_DIR/scripts/slurm/launch.sh"')
+    assert {"##SBATCH --partition=PARTITION", "##SBATCH --account=ACCOUNT"} <= set(
+        text.splitlines())
+    assert "SETUP_HOOK" in text.split("\n#SBATCH")[0]  # documented in the header
+    assert text.rstrip().endswith('source "$MEGATRON3D_DIR/scripts/slurm/launch.sh"')
 
 
 def test_launch_outside_slurm_says_so() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     done = subprocess.run(["bash", str(SLURM_DIR / "cpu_tiny.slurm")], env=env,
                           capture_output=True, text=True, check=False)
-    assert done.returncode != 0 and "not inside a Slurm job" in done.stderr
+    assert done.returncode == 2 and "not inside a Slurm job" in done.stderr
+
+
+# --- a fresh clone stays clean ----------------------------------------------------------------
+QUICKSTART_ARGS = ["--train-iters", "4", "--lr-warmup-iters", "1", "--eval-interval", "2",
+                   "--log-interval", "2"]  # the whole path, briefly
+FAKE_SRUN = """#!/bin/sh
+# srun on one node: drop the options, run the task here.
+while [ "${1#-}" != "$1" ]; do shift; done
+exec "$@"
+"""
+
+
+def fresh_clone(dest: Path) -> None:
+    """A commit of what `git add -A` would take from the working tree, checked out in dest."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, capture_output=True, check=False)
+    if listed.returncode != 0:
+        pytest.skip(f"{REPO} is not a git checkout")
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (REPO / name).is_file():  # not a tracked file deleted in the working tree
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    for cmd in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t",
+                                                 "commit", "-q", "--no-gpg-sign", "-m", "clone"]):
+        subprocess.run(["git", *cmd], cwd=dest, check=True, capture_output=True)
+
+
+def test_quickstart_and_cpu_tiny_leave_a_fresh_clone_clean(tmp_path: Path) -> None:
+    """Issue #15's acceptance: after scripts/quickstart.sh and a cpu_tiny dry and real run,
+    `git status --porcelain` is empty; the run's checkpoints are in $SCRATCH. Slurm is faked by
+    an srun that runs the task here; the clone borrows this checkout's .venv (made by _env.sh)
+    instead of installing torch again."""
+    if not (REPO / ".venv" / ".megatron3d-setup.sha").is_file():
+        pytest.skip("needs the .venv that scripts/_env.sh makes")
+    clone, scratch, stub = tmp_path / "clone", tmp_path / "scratch", tmp_path / "bin"
+    stub.mkdir()
+    fresh_clone(clone)
+    (clone / ".venv").symlink_to(REPO / ".venv")
+    _executable(stub / "srun", FAKE_SRUN)
+    _executable(stub / "scontrol", FAILING_SCONTROL)
+    quick = subprocess.run([BASH, "scripts/quickstart.sh", *QUICKSTART_ARGS], cwd=clone,
+                           capture_output=True, text=True, check=False, timeout=900)
+    assert quick.returncode == 0, (quick.stdout + quick.stderr)[-3000:]
+
+    script = clone / "scripts" / "slurm" / "cpu_tiny.slurm"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = slurm_env(f"{stub}:{os.environ['PATH']}", "cpu_tiny", "localhost", 1, HOME=str(tmp_path),
+                    SCRATCH=str(scratch), SLURM_SUBMIT_DIR=str(clone), MASTER_PORT=port,
+                    TRAIN_ITERS="6", SAVE_INTERVAL="3", OMP_NUM_THREADS="1")
+    dry = subprocess.run([BASH, str(script)], cwd=clone, env={**env, "LAUNCH_DRY_RUN": "1"},
+                         capture_output=True, text=True, check=False)
+    assert dry.returncode == 0, dry.stderr
+    (clone / "logs").mkdir()  # as the scripts' headers say: sbatch does not make it
+    log = clone / "logs" / "cpu_tiny-12345.out"  # --output=logs/%x-%j.out
+    with open(log, "w") as out:
+        real = subprocess.run([BASH, str(script)], cwd=clone, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, check=False, timeout=300)
+    assert real.returncode == 0, log.read_text()[-3000:]
+    assert "= TP 1 x PP 2 x DP 1" in log.read_text()
+    assert (scratch / "megatron3d" / "cpu_tiny" / "checkpoints" / "latest").is_file()
+
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                            cwd=clone, capture_output=True, text=True, check=True)
+    assert status.stdout == "", status.stdout

@@ -5,16 +5,29 @@
 #
 #   GPUS_PER_NODE      worker processes per node (the GPUs of a node; on CPU any number)
 #   TRAIN_ARGS         array of pretrain_gpt.py flags: model, layout, batch, data, logging
-#   CHECKPOINT_DIR     passed as both --save and --load: a requeued job reruns the same command
-#                      and resumes from CHECKPOINT_DIR/latest (an empty dir starts from scratch)
 #   SAVE_INTERVAL      --save-interval
-# Optional:
+# Optional (each script's header lists the ones it reads from the environment):
+#   OUTPUT_ROOT        where outputs go (default ${SCRATCH:-$HOME/scratch}/megatron3d): on a
+#                      file system every node sees, and outside the repository
+#   RUN_DIR            this job's outputs (default OUTPUT_ROOT/JOB_NAME)
+#   CHECKPOINT_DIR     --save and --load (default RUN_DIR/checkpoints): a requeued job reruns
+#                      the same command and resumes from CHECKPOINT_DIR/latest (an empty dir
+#                      starts from scratch); hang dumps go to CHECKPOINT_DIR/hang
+#   TENSORBOARD_DIR    --tensorboard-dir (default RUN_DIR/tensorboard; empty: no TensorBoard)
+#   DATA_CACHE_DIR     --data-cache-path, with --data-path (default OUTPUT_ROOT/index-cache)
+#   SETUP_HOOK         a bash file sourced before the launch, also in a dry run: `module load`,
+#                      `conda activate`, exports, or SRUN_ARGS for a container
+#   SRUN_ARGS          array of extra srun options, e.g. pyxis's --container-image=IMAGE
+#                      --container-mounts=... (torchrun is then looked up in the container)
 #   MEGATRON3D_DIR     the repository (default: the directory sbatch was run from)
-#   VENV               virtualenv to activate (default: MEGATRON3D_DIR/.venv when it exists)
+#   VENV               virtualenv to activate (default: MEGATRON3D_DIR/.venv when it exists;
+#                      VENV=none: none, e.g. with a container or a SETUP_HOOK)
 #   MASTER_PORT        rendezvous port (default: 20000 + job id % 10000, so that two jobs
 #                      sharing a first node do not collide)
 #   REQUEUE_ON_SIGNAL  1 (default): after a SIGUSR1-triggered save, requeue the job; 0: stop
-#   LAUNCH_DRY_RUN     1: print the srun command line and exit without running anything
+#   LAUNCH_DRY_RUN     1: print the layout, the outputs and the srun command line, run nothing.
+#                      Needs no Slurm: fake the allocation with SLURM_JOB_ID, SLURM_JOB_NAME,
+#                      SLURM_JOB_NODELIST (e.g. gpu[001-004]) and SLURM_NNODES.
 #
 # How the time-limit warning becomes a checkpoint (the scripts set `--signal=B:USR1@SECONDS`):
 #   1. Slurm sends SIGUSR1 to this batch shell only (the "B:"); the trap below catches it.
@@ -44,13 +57,72 @@ set -euo pipefail
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 
-: "${GPUS_PER_NODE:?set GPUS_PER_NODE (worker processes per node) before sourcing launch.sh}"
-: "${CHECKPOINT_DIR:?set CHECKPOINT_DIR (--save and --load) before sourcing launch.sh}"
-: "${SAVE_INTERVAL:?set SAVE_INTERVAL (--save-interval) before sourcing launch.sh}"
-declare -p TRAIN_ARGS >/dev/null 2>&1 || die "set the TRAIN_ARGS array before sourcing"
-: "${SLURM_JOB_ID:?not inside a Slurm job: submit with sbatch (or set LAUNCH_DRY_RUN=1 and a fake allocation)}"
-: "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}"
-: "${SLURM_NNODES:?SLURM_NNODES is not set}"
+# The value of the last FLAG in TRAIN_ARGS (`FLAG VALUE` or `FLAG=VALUE`), else DEFAULT.
+flag_value() {
+  local flag=$1 value=$2 i
+  for ((i = 0; i < ${#TRAIN_ARGS[@]}; i++)); do
+    case ${TRAIN_ARGS[i]} in
+      "$flag") value=${TRAIN_ARGS[i + 1]:-} ;;
+      "$flag"=*) value=${TRAIN_ARGS[i]#*=} ;;
+    esac
+  done
+  printf '%s' "$value"
+}
+
+# Slurm's host list syntax without Slurm, for a dry run where scontrol is missing or has no
+# configuration: comma-separated names, each with any number of [1-4,07] groups (numbers keep
+# the width of their lower bound), expanded in scontrol's order. Appends to NODES.
+expand_host() {
+  local host=$1 head rest tail range low high n name
+  local -a ranges
+  if [[ $host != *"["* ]]; then
+    [[ -n $host && $host != *"]"* ]] || return 1
+    NODES+=("$host")
+    return 0
+  fi
+  head=${host%%"["*}
+  rest=${host#*"["}
+  [[ $rest == *"]"* ]] || return 1
+  tail=${rest#*"]"}
+  IFS=, read -r -a ranges <<< "${rest%%"]"*}"
+  ((${#ranges[@]})) || return 1
+  for range in "${ranges[@]}"; do
+    [[ $range =~ ^([0-9]+)(-([0-9]+))?$ ]] || return 1
+    low=${BASH_REMATCH[1]}
+    high=${BASH_REMATCH[3]:-$low}
+    for ((n = 10#$low; n <= 10#$high; n++)); do
+      printf -v name '%s%0*d%s' "$head" "${#low}" "$n" "$tail"
+      expand_host "$name" || return 1
+    done
+  done
+}
+
+expand_hostlist() {
+  local list=$1 item='' depth=0 i ch
+  for ((i = 0; i < ${#list}; i++)); do
+    ch=${list:i:1}
+    case $ch in
+      "[") depth=$((depth + 1)) ;;
+      "]") depth=$((depth - 1)) ;;
+    esac
+    if [[ $ch == , && $depth == 0 ]]; then
+      expand_host "$item" || return 1
+      item=''
+    else
+      item+=$ch
+    fi
+  done
+  expand_host "$item"
+}
+
+[ -n "${GPUS_PER_NODE:-}" ] || die "set GPUS_PER_NODE (worker processes per node) first"
+[ -n "${SAVE_INTERVAL:-}" ] || die "set SAVE_INTERVAL (--save-interval) first"
+declare -p TRAIN_ARGS >/dev/null 2>&1 || die "set the TRAIN_ARGS array first"
+[ -n "${SLURM_JOB_ID:-}" ] || die "not inside a Slurm job: submit with sbatch (or set" \
+  "LAUNCH_DRY_RUN=1 and fake an allocation: SLURM_JOB_ID, SLURM_JOB_NODELIST, SLURM_NNODES)"
+for var in SLURM_JOB_NODELIST SLURM_NNODES; do
+  [ -n "${!var:-}" ] || die "$var is not set (sbatch sets it; a dry run fakes it)"
+done
 MEGATRON3D_DIR="${MEGATRON3D_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 [ -f "$MEGATRON3D_DIR/pretrain_gpt.py" ] \
   || die "no pretrain_gpt.py in $MEGATRON3D_DIR: submit from the repository or set MEGATRON3D_DIR"
@@ -78,6 +150,46 @@ on_term() {
 }
 trap on_usr1 USR1
 trap on_term TERM
+
+declare -p SRUN_ARGS >/dev/null 2>&1 || SRUN_ARGS=()
+if [ -n "${SETUP_HOOK:-}" ]; then
+  [ -f "$SETUP_HOOK" ] || die "SETUP_HOOK=$SETUP_HOOK is not a file: give the bash file to source"
+  # `module` and `conda activate` read unset variables: no `set -u` while the hook runs.
+  set +u
+  # shellcheck source=/dev/null
+  source "$SETUP_HOOK"
+  set -u
+fi
+
+# --- Layout: world = nodes x GPUS_PER_NODE = TP x PP x DP. -----------------------------------
+TP_SIZE=$(flag_value --tensor-model-parallel-size 1)
+PP_SIZE=$(flag_value --pipeline-model-parallel-size 1)
+for pair in "GPUS_PER_NODE=$GPUS_PER_NODE" "SLURM_NNODES=$SLURM_NNODES" \
+    "--tensor-model-parallel-size=$TP_SIZE" "--pipeline-model-parallel-size=$PP_SIZE"; do
+  [[ ${pair#*=} =~ ^[1-9][0-9]*$ ]] || die "${pair%%=*} is '${pair#*=}': give a positive integer"
+done
+WORLD_SIZE=$((SLURM_NNODES * GPUS_PER_NODE))
+((WORLD_SIZE % (TP_SIZE * PP_SIZE) == 0)) \
+  || die "world size $WORLD_SIZE ($SLURM_NNODES node(s) x $GPUS_PER_NODE) is not divisible" \
+         "by TP $TP_SIZE x PP $PP_SIZE: change --nodes, GPUS_PER_NODE or the layout flags"
+DP_SIZE=$((WORLD_SIZE / (TP_SIZE * PP_SIZE)))
+
+# --- Outputs: outside the repository, on a file system every node sees. ---------------------
+OUTPUT_ROOT="${OUTPUT_ROOT:-${SCRATCH:-$HOME/scratch}/megatron3d}"
+RUN_DIR="${RUN_DIR:-$OUTPUT_ROOT/${SLURM_JOB_NAME:-job$SLURM_JOB_ID}}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-$RUN_DIR/checkpoints}"
+TENSORBOARD_DIR="${TENSORBOARD_DIR-$RUN_DIR/tensorboard}"
+DATA_CACHE_DIR="${DATA_CACHE_DIR:-$OUTPUT_ROOT/index-cache}"
+OUTPUT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL")
+OUTPUTS="checkpoints $CHECKPOINT_DIR (hang dumps in hang/)"
+if [ -n "$TENSORBOARD_DIR" ]; then
+  OUTPUT_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
+  OUTPUTS+=", tensorboard $TENSORBOARD_DIR"
+fi
+if [ -n "$(flag_value --data-path "")$(flag_value --data-path-file "")" ]; then
+  OUTPUT_ARGS+=(--data-cache-path "$DATA_CACHE_DIR")
+  OUTPUTS+=", index caches $DATA_CACHE_DIR"
+fi
 
 # --- Environment of every worker (srun passes the batch shell's environment to each node). --
 # Workers use one OpenMP thread each (torchrun's default too): GPUs do the math, and more
@@ -108,7 +220,16 @@ if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
 fi
 
 # --- Rendezvous: the first node of the allocation hosts torchrun's c10d store. ---------------
-mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+# scontrol knows the site's host list syntax; without a Slurm configuration (a dry run on a
+# laptop or login node) it fails, and expand_hostlist does it.
+NODES=()
+if command -v scontrol >/dev/null && HOSTNAMES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" \
+    2>/dev/null); then
+  mapfile -t NODES <<< "$HOSTNAMES"
+else
+  expand_hostlist "$SLURM_JOB_NODELIST" \
+    || die "SLURM_JOB_NODELIST is '$SLURM_JOB_NODELIST': not a host list like gpu[001-004,007]"
+fi
 [ "${#NODES[@]}" -eq "$SLURM_NNODES" ] \
   || die "SLURM_JOB_NODELIST expands to ${#NODES[@]} hosts, SLURM_NNODES is $SLURM_NNODES"
 MASTER_ADDR="${NODES[0]}"
@@ -125,9 +246,7 @@ TORCHRUN=(
   --rdzv-id "$SLURM_JOB_ID"
   "$MEGATRON3D_DIR/pretrain_gpt.py"
   "${TRAIN_ARGS[@]}"
-  --save "$CHECKPOINT_DIR"
-  --load "$CHECKPOINT_DIR"
-  --save-interval "$SAVE_INTERVAL"
+  "${OUTPUT_ARGS[@]}"
 )
 # One task per node; if one node's torchrun fails, srun kills the others instead of leaving
 # them waiting in a collective. The bash wrapper makes torchrun ignore SIGUSR1 (step 3 above).
@@ -138,11 +257,22 @@ SRUN=(
   --nodes="$SLURM_NNODES"
   --ntasks-per-node=1
   --kill-on-bad-exit=1
+  "${SRUN_ARGS[@]}"
   bash -c 'trap "" USR1; exec "$@"' megatron3d-node
   "${TORCHRUN[@]}"
 )
 
+# What runs where, before the command: PREFIX starts each line.
+describe() {
+  local prefix=$1
+  echo "${prefix}job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s)" \
+    "x $GPUS_PER_NODE workers = world $WORLD_SIZE = TP $TP_SIZE x PP $PP_SIZE x DP $DP_SIZE"
+  echo "${prefix}nodes ${NODES[*]}; rendezvous $MASTER_ADDR:$MASTER_PORT"
+  echo "${prefix}outputs: $OUTPUTS"
+}
+
 if [ "${LAUNCH_DRY_RUN:-0}" = 1 ]; then
+  describe "# "
   printf '%q ' "${SRUN[@]}"
   printf '\n'
   exit 0
@@ -153,11 +283,13 @@ if [ -f "$VENV/bin/activate" ]; then
   # shellcheck source=/dev/null
   source "$VENV/bin/activate"
 fi
-command -v torchrun >/dev/null || die "torchrun not found: activate an environment with torch"
+# In a pyxis container (srun --container-image) torchrun is the image's, not this shell's.
+if [[ " ${SRUN_ARGS[*]} " != *" --container-image"* ]]; then
+  command -v torchrun >/dev/null || die "torchrun not found: activate an environment with torch"
+fi
 mkdir -p "$CHECKPOINT_DIR/hang"
 
-echo "launch.sh: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s)" \
-  "x $GPUS_PER_NODE workers, rendezvous $MASTER_ADDR:$MASTER_PORT, checkpoints $CHECKPOINT_DIR"
+describe "launch.sh: "
 printf 'launch.sh: '
 printf '%q ' "${SRUN[@]}"
 printf '\n'
