@@ -3,9 +3,12 @@
 # tensor-parallel 2 x pipeline-parallel 2 x data-parallel 2 with ZeRO-1, on a real corpus
 # that every machine has (the Python standard library's source), through the real data path:
 # corpus -> SentencePiece tokenizer -> Megatron .bin/.idx -> pretrain_gpt.py. It saves the
-# trained model in runs/quickstart/checkpoints (each run starts a new series there), then
-# continues a prompt with tools/generate.py, and, when transformers and safetensors are
-# installed (pip install -e '.[hf]'), exports it to runs/quickstart/hf for transformers.
+# trained model in runs/quickstart/checkpoints (each run starts a new series there). When
+# transformers and safetensors are installed (pip install -e '.[hf]'), it exports the model to
+# runs/quickstart/hf (checking transformers' logits against its own). It ends by continuing a
+# prompt with tools/generate.py, and again with transformers' generate on the export (the
+# SentencePiece tokenizer has no transformers class that reads it as training did, so the
+# run's tokenizer turns the text into ids and back).
 # Extra arguments go to pretrain_gpt.py and override the defaults below.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export OMP_NUM_THREADS=1
@@ -37,11 +40,18 @@ torchrun --standalone --nproc-per-node 8 pretrain_gpt.py \
   --tensorboard-dir runs/quickstart/tensorboard --save "$CKPT" --new-series \
   "$@"
 PROMPT="def __init__(self"
-echo "tools/generate.py --prompt '$PROMPT' continues (greedy):"
-python tools/generate.py --load "$CKPT" --prompt "$PROMPT" --max-new-tokens 24
+HF=runs/quickstart/hf
 if python -c "import transformers, safetensors" 2>/dev/null; then
-  rm -rf runs/quickstart/hf
-  python tools/checkpoint/export_hf.py --load "$CKPT" --output runs/quickstart/hf
+  rm -rf "$HF"
+  python tools/checkpoint/export_hf.py --load "$CKPT" --output "$HF"
 else
-  echo "skipping the Hugging Face export: pip install -e '.[hf]' to get it"
+  HF=
+fi
+echo "megatron3d (tools/generate.py) continues '$PROMPT' (greedy):"
+python tools/generate.py --load "$CKPT" --prompt "$PROMPT" --max-new-tokens 24
+if [ -n "$HF" ]; then
+  echo "transformers (generate on the export in $HF, through tools/generate.py --hf) continues it:"
+  python tools/generate.py --load "$CKPT" --hf "$HF" --prompt "$PROMPT" --max-new-tokens 24
+else
+  echo "skipping the Hugging Face export and transformers' generate: pip install -e '.[hf]'"
 fi

@@ -358,6 +358,19 @@ def test_quickstart_and_cpu_tiny_leave_a_fresh_clone_clean(tmp_path: Path) -> No
     quick = subprocess.run([BASH, "scripts/quickstart.sh", *QUICKSTART_ARGS], cwd=clone,
                            capture_output=True, text=True, check=False, timeout=900)
     assert quick.returncode == 0, (quick.stdout + quick.stderr)[-3000:]
+    # It ends with megatron3d's continuation of its prompt and, when the hf extra is here, an
+    # export checked against transformers' logits and transformers' own greedy continuation.
+    ours = quick.stdout.split("megatron3d (tools/generate.py) continues ", 1)[1]
+    hf = subprocess.run([sys.executable, "-c", "import transformers, safetensors"],
+                        capture_output=True, check=False).returncode == 0
+    if hf:
+        assert (clone / "runs" / "quickstart" / "hf" / "config.json").is_file()
+        assert "top-1 agreement 100.0%" in quick.stdout
+        ours, theirs = ours.split("\ntransformers (generate on the export in ", 1)
+        # each continuation follows its header line; the split took ours' final newline
+        assert ours.split("\n", 1)[1] + "\n" == theirs.split("\n", 1)[1], quick.stdout[-1500:]
+    else:
+        assert "skipping the Hugging Face export and transformers' generate" in ours
 
     script = clone / "scripts" / "slurm" / "cpu_tiny.slurm"
     with socket.socket() as sock:

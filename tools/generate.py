@@ -2,16 +2,21 @@
 
     python tools/generate.py --load ckpt --prompt "def main(" --max-new-tokens 32
     python tools/generate.py --load ckpt --prompt-ids "5 17 3"   # token ids in and out
+    python tools/generate.py --load ckpt --hf hf/my-model --prompt "def main("
 
 Greedy (the argmax) by default; --top-k and/or --temperature sample instead, reproducibly
 for one --seed. Prints only the new text (or ids) to stdout. Generation stops at the
 end-of-document token or after --max-new-tokens (default: until the model's --seq-length is
 full); a longer request is refused. The tokenizer is the one the run trained with; the
 tokenizer flags override its recorded paths (needed when they were relative to elsewhere).
+With --hf, transformers' ``generate`` runs the checkpoint's export (tools/checkpoint/
+export_hf.py) instead of megatron3d's model, still with the run's tokenizer: the way to use
+an export whose tokenizer transformers cannot read (SentencePiece).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
@@ -24,12 +29,14 @@ from megatron3d.checkpoint.generation import (  # noqa: E402
     Sampling,
     continuation_text,
     generate,
+    generate_with_transformers,
     resolve_tokenizer,
 )
-from megatron3d.checkpoint.standalone import load_model  # noqa: E402
+from megatron3d.checkpoint.reader import CheckpointReader  # noqa: E402
+from megatron3d.checkpoint.standalone import load_model, saved_config  # noqa: E402
 from megatron3d.cli import OneLineParser, add_float, add_int, run_tool  # noqa: E402
 from megatron3d.config import DataConfig  # noqa: E402
-from megatron3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from megatron3d.data.tokenizer import TOKENIZER_TYPES, Tokenizer  # noqa: E402
 from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.ranges import AT_LEAST_ONE, POSITIVE, SEED, SIZE  # noqa: E402
 
@@ -47,6 +54,9 @@ def _parser() -> OneLineParser:
     prompt.add_argument("--prompt", help="text to continue (needs the run's tokenizer)")
     prompt.add_argument("--prompt-ids", metavar="IDS",
                         help="whitespace-separated token ids to continue; prints ids")
+    p.add_argument("--hf", metavar="HF_DIR",
+                   help="generate with transformers from this export of --load (written by "
+                   "tools/checkpoint/export_hf.py); the tokenizer is still the run's")
     add_int(p, "--max-new-tokens", SIZE, "Most tokens to generate (default: until the "
             "context is full).")
     add_int(p, "--top-k", AT_LEAST_ONE, "Sample from the K most likely tokens.")
@@ -70,24 +80,35 @@ def _run(argv: Sequence[str] | None) -> int:
     if sampling.greedy and args.seed is not None:
         raise ConfigError("--seed applies only to sampling: add --top-k or --temperature, or "
                           "drop --seed for greedy generation")
-    loaded = load_model(args.load)
+    if args.hf is None:
+        loaded = load_model(args.load)
+        cfg = loaded.config
+    else:  # the checkpoint gives the tokenizer and the context; transformers, the model
+        cfg = saved_config(CheckpointReader.latest(args.load).meta)
     overrides = {f: getattr(args, f) for f in ("tokenizer_type", *_TOKENIZER_FIELDS)}
-    tokenizer = resolve_tokenizer(loaded, overrides)
-    if args.prompt_ids is not None:
-        prompt = _ids(args.prompt_ids)
-    elif tokenizer is None:
-        raise ConfigError("the checkpoint has no tokenizer (it trained on --mock-data), so "
-                          "--prompt cannot be tokenized: give token ids with --prompt-ids "
-                          "'1 2 3', or a tokenizer with --tokenizer-type and its files")
+    tokenizer = resolve_tokenizer(cfg, overrides)
+    prompt = _prompt(args, tokenizer)
+    eod = None if tokenizer is None else tokenizer.eod
+    if args.hf is None:
+        new = generate(loaded, prompt, args.max_new_tokens, eod=eod, sampling=sampling)
     else:
-        prompt = tokenizer.tokenize(args.prompt)
-    new = generate(loaded, prompt, args.max_new_tokens,
-                   eod=None if tokenizer is None else tokenizer.eod, sampling=sampling)
+        new = generate_with_transformers(args.hf, cfg.model, prompt, args.max_new_tokens,
+                                         eod=eod, sampling=sampling)
     if args.prompt_ids is not None:
         sys.stdout.write(" ".join(map(str, new)) + "\n")
     else:
         sys.stdout.write(continuation_text(tokenizer, prompt, new) + "\n")
     return 0
+
+
+def _prompt(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[int]:
+    if args.prompt_ids is not None:
+        return _ids(args.prompt_ids)
+    if tokenizer is None:
+        raise ConfigError("the checkpoint has no tokenizer (it trained on --mock-data), so "
+                          "--prompt cannot be tokenized: give token ids with --prompt-ids "
+                          "'1 2 3', or a tokenizer with --tokenizer-type and its files")
+    return tokenizer.tokenize(args.prompt)
 
 
 def _ids(text: str) -> list[int]:

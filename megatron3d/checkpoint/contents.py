@@ -83,7 +83,8 @@ def saved_kinds(reader: CheckpointReader, name: str) -> tuple[str, ...]:
 
 def check_contents(reader: CheckpointReader, wanted: list[tuple[Owned, str]]) -> None:
     """The checkpoint holds exactly the tensors named in ``wanted`` (pairs of a tensor and
-    a kind), each with its logical shape: what its own configuration describes."""
+    a kind), each whole and with its logical shape: what its own configuration describes.
+    Only chunk descriptions are read, so a tool checks this before it writes anything."""
     expected = {p.meta.name for p, _ in wanted}
     saved = set(reader.names())
     odd = sorted(expected ^ saved) or [f"{p.meta.name} ({kind})" for p, kind in wanted
@@ -92,6 +93,12 @@ def check_contents(reader: CheckpointReader, wanted: list[tuple[Owned, str]]) ->
         raise CheckpointError(f"{reader.directory} does not hold the model its meta.json "
                               f"describes ({len(odd)} tensors differ, e.g. {odd[0]}): the "
                               "checkpoint is damaged; nothing was written")
+    gaps = [f"{p.meta.name} ({kind})" for p, kind in wanted
+            if not reader.complete(p.meta.name, kind)]
+    if gaps:
+        raise CheckpointError(f"{reader.directory} is incomplete ({len(gaps)} tensors lack "
+                              f"chunks, e.g. {gaps[0]}): a rank file lost its chunks; load an "
+                              "earlier checkpoint; nothing was written")
 
 
 def _check_layout(model: ModelConfig, layout: Layout) -> None:

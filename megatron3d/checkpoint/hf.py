@@ -17,6 +17,7 @@ transformers itself is never imported here: the config is written as the JSON it
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,22 +83,29 @@ def hf_config(m: ModelConfig, eod: int | None = None) -> dict[str, Any]:
 
 
 def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
-    """ModelConfig fields of a transformers config.json (``ConfigError`` for what we lack)."""
+    """ModelConfig fields of a transformers config.json; ``ConfigError`` naming the key for
+    a missing or mistyped value, or an option we do not implement."""
     kind = hf.get("model_type")
     if kind == "gpt2":
         _require(hf, "activation_function", lambda v: v in _TANH_GELU, "a tanh-GeLU")
-        h = hf["n_embd"]
-        return {"num_layers": hf["n_layer"], "hidden_size": h,
-                "num_attention_heads": hf["n_head"], "ffn_hidden_size": hf.get("n_inner") or 4 * h,
-                "max_position_embeddings": hf["n_positions"],
-                "seq_length": seq_length or hf["n_positions"], "vocab_size": hf["vocab_size"],
-                "layernorm_epsilon": hf.get("layer_norm_epsilon", 1e-5)}
+        _require(hf, "tie_word_embeddings", lambda v: v is not False, "a tied head")
+        h, heads = _int(hf, "n_embd"), _int(hf, "n_head")
+        _divisible(hf, "n_embd", "n_head")
+        return {"num_layers": _int(hf, "n_layer"), "hidden_size": h,
+                "num_attention_heads": heads, "ffn_hidden_size": _int(hf, "n_inner", 4 * h),
+                "max_position_embeddings": _int(hf, "n_positions"),
+                "seq_length": seq_length or _int(hf, "n_positions"),
+                "vocab_size": _int(hf, "vocab_size"),
+                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5)}
     if kind == "bloom":
         _require(hf, "apply_residual_connection_post_layernorm", lambda v: not v, "false")
-        return {"num_layers": hf["n_layer"], "hidden_size": hf["hidden_size"],
-                "num_attention_heads": hf["n_head"], "seq_length": seq_length or 2048,
-                "vocab_size": hf["vocab_size"], "position_embedding_type": "alibi",
-                "embed_layernorm": True, "layernorm_epsilon": hf.get("layer_norm_epsilon", 1e-5)}
+        _require(hf, "tie_word_embeddings", lambda v: v is not False, "a tied head")
+        _divisible(hf, "hidden_size", "n_head")
+        return {"num_layers": _int(hf, "n_layer"), "hidden_size": _int(hf, "hidden_size"),
+                "num_attention_heads": _int(hf, "n_head"), "seq_length": seq_length or 2048,
+                "vocab_size": _int(hf, "vocab_size"), "position_embedding_type": "alibi",
+                "embed_layernorm": True,
+                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5)}
     if kind == "llama":
         return _llama_fields(hf, seq_length)
     raise ConfigError(f"unsupported Hugging Face model_type {kind!r}: import supports gpt2, "
@@ -106,24 +114,29 @@ def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
 
 def _llama_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise _mistyped("rope_parameters", rope, "an object such as {\"rope_type\": "
+                        "\"default\", \"rope_theta\": 10000.0}")
     _require({"rope_type": rope.get("rope_type", rope.get("type", "default"))}, "rope_type",
              lambda v: v == "default", "default (no RoPE scaling)")
     for key in ("attention_bias", "mlp_bias"):
         _require(hf, key, lambda v: not v, "false")
     _require(hf, "hidden_act", lambda v: v == "silu", "silu")
-    heads, h = hf["num_attention_heads"], hf["hidden_size"]
+    heads, h = _int(hf, "num_attention_heads"), _int(hf, "hidden_size")
+    _divisible(hf, "hidden_size", "num_attention_heads")
     _require(hf, "head_dim", lambda v: v in (None, h // heads), "hidden_size / heads")
-    groups = hf.get("num_key_value_heads") or heads
-    return {"num_layers": hf["num_hidden_layers"], "hidden_size": h,
+    groups = _int(hf, "num_key_value_heads", heads)
+    _divisible(hf, "num_attention_heads", "num_key_value_heads")
+    return {"num_layers": _int(hf, "num_hidden_layers"), "hidden_size": h,
             "num_attention_heads": heads, "group_query_attention": groups != heads,
             "num_query_groups": groups if groups != heads else None,
-            "ffn_hidden_size": hf["intermediate_size"],
-            "seq_length": seq_length or hf["max_position_embeddings"],
-            "vocab_size": hf["vocab_size"], "position_embedding_type": "rope",
+            "ffn_hidden_size": _int(hf, "intermediate_size"),
+            "seq_length": seq_length or _int(hf, "max_position_embeddings"),
+            "vocab_size": _int(hf, "vocab_size"), "position_embedding_type": "rope",
             "normalization": "rmsnorm", "swiglu": True, "disable_bias_linear": True,
-            "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
-            "layernorm_epsilon": hf.get("rms_norm_eps", 1e-6),
-            "rotary_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+            "untie_embeddings_and_output_weights": not _bool(hf, "tie_word_embeddings", False),
+            "layernorm_epsilon": _float(hf, "rms_norm_eps", 1e-6),
+            "rotary_base": _float(rope, "rope_theta", _float(hf, "rope_theta", 10000.0))}
 
 
 def _require(hf: dict[str, Any], key: str, ok: Callable[[Any], bool], want: str) -> None:
@@ -131,6 +144,59 @@ def _require(hf: dict[str, Any], key: str, ok: Callable[[Any], bool], want: str)
         raise ConfigError(f"the Hugging Face config has {key}={hf[key]!r}, which megatron3d "
                           f"does not implement (it needs {want}): this checkpoint cannot be "
                           "imported")
+
+
+_REQUIRED: Any = object()
+
+
+def _value(hf: dict[str, Any], key: str, default: Any, want: str) -> Any:
+    """``hf[key]``; ``default`` when it is absent or null, unless it is required."""
+    value = hf.get(key)
+    if value is not None:
+        return value
+    if default is _REQUIRED:
+        raise ConfigError(f"the Hugging Face config.json has no {key} ({want}): the file is "
+                          "incomplete; add the key, or save the model again with "
+                          "save_pretrained")
+    return default
+
+
+def _int(hf: dict[str, Any], key: str, default: Any = _REQUIRED) -> int:
+    """A size: a whole number >= 1."""
+    value = _value(hf, key, default, "a whole number >= 1")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _mistyped(key, value, "a whole number >= 1")
+    return value
+
+
+def _float(hf: dict[str, Any], key: str, default: float) -> float:
+    """An epsilon or a base: a finite number > 0."""
+    value = _value(hf, key, default, "a number > 0")
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value <= 0:
+        raise _mistyped(key, value, "a finite number > 0")
+    return float(value)
+
+
+def _bool(hf: dict[str, Any], key: str, default: bool) -> bool:
+    value = _value(hf, key, default, "true or false")
+    if not isinstance(value, bool):
+        raise _mistyped(key, value, "true or false")
+    return value
+
+
+def _divisible(hf: dict[str, Any], total: str, parts: str) -> None:
+    """``hf[total]`` splits evenly into ``hf[parts]`` (both checked sizes when present)."""
+    value, count = _int(hf, total), _int(hf, parts, 1)
+    if value % count:
+        raise ConfigError(f"the Hugging Face config.json has {total}={value}, which "
+                          f"{parts}={count} does not divide: the file is damaged; fix one "
+                          "of the two values")
+
+
+def _mistyped(key: str, value: Any, want: str) -> ConfigError:
+    return ConfigError(f"the Hugging Face config.json has {key}={value!r}, expected {want}: "
+                       "fix the value (the file is damaged or was edited by hand)")
 
 
 # --------------------------------------------------------------------------- tensors

@@ -11,6 +11,7 @@ here so a layout the model cannot take is refused before anything is written.
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,39 +41,82 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 
 def weights(directory: Path) -> Callable[[str], torch.Tensor]:
-    """Tensor name -> tensor, read lazily from the directory's weight files."""
+    """Tensor name -> tensor, read lazily from the directory's weight files. Every file is
+    opened here, so a missing package or an unreadable file is refused before any writing."""
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
     if index.exists() or single.exists():
-        from safetensors import safe_open  # an hf extra; present whenever such files are
-        files = ({n: directory / f for n, f in json.loads(index.read_text())["weight_map"]
-                  .items()} if index.exists() else None)
-        handles: dict[Path, Any] = {}
-
-        def get(name: str) -> torch.Tensor:
-            path = files.get(name) if files is not None else single
-            if path is None:
-                raise CheckpointError(f"{directory} has no tensor {name}: the weights do not "
-                                      "match config.json")
-            if path not in handles:
-                handle = safe_open(str(path), framework="pt")
-                handles[path] = (handle, set(handle.keys()))
-            handle, names = handles[path]
-            if name not in names:
-                raise CheckpointError(f"{path} has no tensor {name}: the weights do not "
-                                      "match config.json")
-            return handle.get_tensor(name).to(torch.float32)
-        return get
+        return _safetensors_weights(directory, _weight_map(index) if index.exists() else None,
+                                    single)
     binary = directory / "pytorch_model.bin"
     if binary.exists():
-        state = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
+        state = _load_binary(binary)
         return lambda name: _lookup(state, name, binary)
     raise ConfigError(f"--hf {directory} has no model.safetensors, sharded safetensors or "
                       "pytorch_model.bin: pass a Hugging Face model directory")
 
 
+def _safetensors() -> tuple[Callable[..., Any], type[Exception]]:
+    """safetensors' ``safe_open`` and the error it raises for a damaged file."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise ConfigError("reading safetensors weights needs the safetensors package: "
+                          "pip install -e '.[hf]'") from None
+    return safe_open, SafetensorError
+
+
+def _weight_map(index: Path) -> dict[str, Path]:
+    """Tensor name -> shard file, from a sharded checkpoint's index."""
+    try:
+        mapping = json.loads(index.read_text())["weight_map"]
+        return {name: index.parent / file for name, file in mapping.items()}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(f"{index} is not a safetensors index (JSON with a weight_map of "
+                          "tensor name -> file): the directory is damaged") from None
+
+
+def _safetensors_weights(directory: Path, files: dict[str, Path] | None,
+                         single: Path) -> Callable[[str], torch.Tensor]:
+    safe_open, damaged = _safetensors()
+    handles: dict[Path, tuple[Any, set[str]]] = {}
+    for path in sorted(set(files.values())) if files is not None else [single]:
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except (OSError, damaged) as err:
+            raise ConfigError(f"{path} cannot be read as safetensors "
+                              f"({str(err).splitlines()[0][:120]}): the file is missing or "
+                              "damaged; download or save the model again") from None
+        handles[path] = (handle, set(handle.keys()))
+
+    def get(name: str) -> torch.Tensor:
+        path = files.get(name) if files is not None else single
+        handle, names = handles.get(path, (None, set()))
+        if name not in names:
+            raise CheckpointError(f"{path or directory} has no tensor {name}: the weights do "
+                                  "not match config.json")
+        return handle.get_tensor(name).to(torch.float32)
+    return get
+
+
+def _load_binary(path: Path) -> dict[str, torch.Tensor]:
+    """A ``pytorch_model.bin`` through torch's weights-only unpickler: tensors and plain
+    containers only, so a file that would run code is refused instead of executed."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as err:
+        first = (str(err).strip() or type(err).__name__).splitlines()[0][:120]
+        raise ConfigError(f"{path} cannot be read with torch's weights-only loader ({first}): "
+                          "it holds something other than tensors, or is damaged; save the "
+                          "model as safetensors") from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"{path} holds a {type(state).__name__}, not a state dict of "
+                          "tensors: save the model again with save_pretrained")
+    return state
+
+
 def _lookup(state: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tensor:
-    if name not in state:
+    if not isinstance(state.get(name), torch.Tensor):
         raise CheckpointError(f"{path} has no tensor {name}: the weights do not match "
                               "config.json")
     return state[name].to(torch.float32)
@@ -80,7 +124,8 @@ def _lookup(state: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tens
 
 def import_hf(hf_dir: str, save: str, tp: int, pp: int,
               seq_length: int | None) -> tuple[Path, int]:
-    """The checkpoint written and its peak tensor bytes (one layer's)."""
+    """The checkpoint written and the most tensor bytes it held at once (one layer's).
+    The config, the layout, the output and every weight file are checked first."""
     directory = Path(hf_dir)
     model = ModelConfig(**hf.model_fields(read_config(directory), seq_length))
     hf.flavour_of(model)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatron3d.checkpoint import io
+from megatron3d.checkpoint import io, safety
 from megatron3d.config import TrainConfig
 from megatron3d.errors import ConfigError
 
@@ -38,9 +38,10 @@ def write_checkpoint(root: Path, cfg: TrainConfig,
     in turn) and ``cfg``; ``root`` must hold no checkpoint (nothing saved is replaced). A
     failure while reading a piece removes what was written. Returns the checkpoint and the
     most tensor bytes held at once (the largest piece)."""
-    if io.has_checkpoints(root) or root.is_file():
-        raise ConfigError(f"--save {root} already holds checkpoints or is a file: choose a new "
-                          "directory, nothing was written")
+    safety.check_save_dir(root)
+    if io.has_checkpoints(root):
+        raise ConfigError(f"--save {root} already holds checkpoints: choose a new directory, "
+                          "nothing was written")
     layout = {"world_size": len(pieces), "tp": 1, "pp": 1, "dp": len(pieces), "zero_stage": 0}
     final = io.iteration_dir(root, 0)
     tmp = final.with_name(final.name + ".tmp")

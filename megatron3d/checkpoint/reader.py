@@ -8,6 +8,7 @@ checkpoint from any (TP, PP, DP, ZeRO) layout looks the same to them.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,17 @@ class CheckpointReader:
         if first["logical_rows"] is not None:
             shape[0] = first["logical_rows"]
         return tuple(shape)
+
+    def complete(self, name: str, kind: str = "weight") -> bool:
+        """Whether the chunks of ``name`` cover every saving TP rank's whole slice, judged
+        from their descriptions alone (no data read): a lost rank file leaves a gap that
+        ``tensor`` would meet only when assembling it."""
+        chunks = self._chunks(name, kind)
+        numel = math.prod(chunks[0]["local_shape"])
+        covered = [0] * chunks[0]["tp_size"]
+        for c in chunks:
+            covered[c["tp_rank"]] += c["end"] - c["start"]
+        return all(n == numel for n in covered)
 
     def _chunks(self, name: str, kind: str) -> list[dict]:
         if (name, kind) not in self._index:

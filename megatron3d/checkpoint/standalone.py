@@ -57,7 +57,12 @@ def saved_config(meta: dict[str, Any]) -> TrainConfig:
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LoadedModel:
     """The newest checkpoint under ``checkpoint_dir`` (a --save directory) as one model."""
-    reader = CheckpointReader.latest(checkpoint_dir)
+    return model_of(CheckpointReader.latest(checkpoint_dir), dtype, device)
+
+
+def model_of(reader: CheckpointReader, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> LoadedModel:
+    """The checkpoint ``reader`` has open as one model (a tool that already checked it)."""
     cfg = saved_config(reader.meta)
     model = build_gpt(LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, dtype,
                                    torch.device(device)))

@@ -6,7 +6,8 @@ streaming a whole model through one reader would end up holding the model's byte
 ``logical_tensors`` gives each tensor's pages back to the kernel once the caller is done
 with it: ``madvise(MADV_PAGEOUT)`` (Linux 5.4+) is a hint that never changes data (pages read
 again are read from the file), so on another system, or an older kernel, the pages merely
-stay mapped (clean and reclaimable). ``PeakMemory`` measures what the tools report.
+stay mapped (clean and reclaimable). ``PeakMemory`` measures what the tools report, and
+``peak_text`` says it the same way in every tool's final line.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class PeakMemory:
     Elsewhere an earlier peak may hide part of the growth."""
 
     def __init__(self) -> None:
+        # torch imports torch._dynamo (~75 MB of code) the first time a model is built, even
+        # on the meta device: importing it first keeps code out of the memory measured here.
+        import torch._dynamo  # noqa: F401
         with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")  # 5: peak := current
         self._start = _peak_rss()
@@ -79,3 +83,19 @@ def _peak_rss() -> int:
                 return int(line.split()[1]) * 1024
     kib_or_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib_or_bytes if sys.platform == "darwin" else kib_or_bytes * 1024
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes for a person, with three significant digits or so: 812 B, 26.0 KiB, 1.25 GiB."""
+    value, unit = float(nbytes), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{nbytes} B" if unit == "B" else f"{value:.{2 if value < 10 else 1}f} {unit}"
+
+
+def peak_text(growth: int, held: str) -> str:
+    """How every checkpoint tool ends its final line: the measured peak (``PeakMemory``) and
+    ``held``, what the tool holds at once by design (e.g. "largest tensor 4.0 MiB")."""
+    return f"peak memory {size_text(growth)} above the start ({held})"

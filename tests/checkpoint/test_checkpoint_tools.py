@@ -20,6 +20,7 @@ from megatron3d.checkpoint.contents import Layout, model_tensors
 from megatron3d.checkpoint.offline import write_checkpoint
 from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.config import TrainConfig, TrainingConfig
+from tests.checkpoint.conftest import INIT, PEAK_LINE
 from tests.checkpoint.test_bad_checkpoints import _tree
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import RunResult, merge_ranks, train
@@ -48,7 +49,8 @@ def _reshape(load: Path, save: Path, tp: int, pp: int, *extra: str) -> None:
 
 
 def _two_steps_after_load(directories: list[str]) -> list[RunResult]:
-    return [train(train_argv("gpt2", SAVED_AT + 2, *LAYOUT_122, "--load", d))
+    return [train(train_argv("gpt2", SAVED_AT + 2, *LAYOUT_122, *INIT, "--load", d,
+                             "--override-opt-param-scheduler"))
             for d in directories]
 
 
@@ -69,7 +71,7 @@ def test_reshape_twice_continues_exactly_like_loading_the_original(trained, tmp_
 def test_reshape_carries_the_run_state_and_every_tensor(trained, tmp_path, capsys):
     out = tmp_path / "dp3"
     _reshape(trained, out, 1, 1, "--data-parallel-size", "3", "--zero-stage", "3")
-    assert "peak memory" in capsys.readouterr().out.splitlines()[-1]
+    assert PEAK_LINE.search(capsys.readouterr().out.splitlines()[-1])
     source, result = CheckpointReader.latest(trained), CheckpointReader.latest(out)
     assert result.meta["layout"] == Layout(1, 1, 3, 3).as_meta()
     for key in set(source.meta) - {"layout", "config"}:  # iteration, Adam step, series, ...
@@ -126,8 +128,8 @@ def _without_chunks(trained: Path, into: Path, drop) -> Path:
 
 def _bad_checkpoints(trained: Path, tmp_path: Path) -> dict[str, Path]:
     """Error -> a checkpoint root the tools must refuse: none at all, a truncated rank file,
-    a tensor lost from every rank file (found before writing), a rank file that lost its
-    chunks (found only when a tensor is assembled, mid-write)."""
+    a tensor lost from every rank file, a rank file that lost its chunks (both found from
+    the chunk descriptions, before writing)."""
     empty, truncated = tmp_path / "empty", tmp_path / "truncated"
     empty.mkdir()
     shutil.copytree(trained, truncated)
@@ -214,12 +216,14 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys, too
     assert left == sorted([*(p.name for p in bad.values()), "taken.safetensors"])
 
 
-def test_consolidate_writes_one_safetensors_file_of_the_logical_tensors(trained, tmp_path):
+def test_consolidate_writes_one_safetensors_file_of_the_logical_tensors(trained, tmp_path,
+                                                                       capsys):
     safetensors = pytest.importorskip("safetensors")
     from safetensors.torch import load_file
 
     out = tmp_path / "model.safetensors"
     assert consolidate_tool.main(["--load", str(trained), "--output", str(out)]) == 0
+    assert PEAK_LINE.search(capsys.readouterr().out.splitlines()[-1])
     loaded, reader = load_file(out), CheckpointReader.latest(trained)
     assert set(loaded) == set(reader.names())
     for name in reader.names():
@@ -245,7 +249,10 @@ def test_inspect_reports_the_run_and_each_tensor(trained, capsys):
     for name in reader.names():
         norm = float(torch.linalg.vector_norm(reader.tensor(name, "exp_avg"), dtype=torch.float64))
         assert f"exp_avg {norm:.6e}" in rows[name]
-    assert "peak memory" in lines[-1]
+    assert PEAK_LINE.search(lines[-1]) and "largest tensor" in lines[-1]
+    assert inspect_tool.main(["--load", str(trained)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert PEAK_LINE.search(last) and "only their descriptions read" in last
 
 
 def _random_checkpoint(root: Path, model) -> int:
@@ -288,7 +295,7 @@ def test_consolidate_peaks_below_three_times_the_largest_layer(tmp_path):
                           "--output", str(tmp_path / "big.safetensors")], cwd=TOOLS.parent,
                          capture_output=True, text=True, check=True).stdout.splitlines()
     peak = int(out[-1])
-    assert "peak memory" in out[-2]  # the tool's own final line
+    assert PEAK_LINE.search(out[-2])  # the tool's own final line
     total = (tmp_path / "big.safetensors").stat().st_size
     assert total > 9 * largest_layer  # the model is far larger than what may be held
     assert peak < 3 * largest_layer, f"peak {peak / 2**20:.1f} MiB, layer " \

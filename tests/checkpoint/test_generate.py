@@ -1,10 +1,12 @@
 """tools/generate.py on a checkpoint trained at (TP, PP, DP) = (2, 2, 2): greedy ids equal
-transformers' ``generate`` on the export and a hand-written argmax loop over ``load_model``;
-sampling is reproducible per seed; bad input is one line and exit code 2."""
+transformers' ``generate`` on the export (also through the tool's --hf) and a hand-written
+argmax loop over ``load_model``; sampling is reproducible per seed; bad input is one line
+and exit code 2."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -12,13 +14,12 @@ import torch
 
 from megatron3d.checkpoint.generation import Sampling, generate, resolve_tokenizer
 from megatron3d.checkpoint.standalone import load_model
-from megatron3d.data.tokenizer import TokenizerSpec
 from megatron3d.errors import ConfigError
 from tests.helpers.tools import load_tool, tool_logging
 
 generate_tool = load_tool("generate.py")
 PROMPT = [5, 17, 3, 99, 42]
-VARIED = [100, 150]  # after 3 steps of training, most prompts give one token over and over
+VARIED = [100, 150]
 IDS = ["--prompt-ids", " ".join(map(str, PROMPT))]
 
 
@@ -57,9 +58,14 @@ def test_greedy_equals_transformers_and_a_load_model_argmax_loop(checkpoint, tmp
         for _ in range(8):
             tokens = torch.cat([tokens, loaded.logits(tokens)[:, -1].argmax(-1, keepdim=True)],
                                1)
-        assert ours == expected == tokens[0, len(prompt):].tolist()
+        through_hf = _ids(capsys, checkpoint, "--prompt-ids", " ".join(map(str, prompt)),
+                          "--max-new-tokens", "8", "--hf", str(tmp_path / "hf"))
+        assert ours == expected == tokens[0, len(prompt):].tolist() == through_hf
         results.append(ours)
     assert results[0][0] != results[1][0] and len(set(results[1])) > 1
+    hot = ("--max-new-tokens", "8", "--temperature", "50", "--hf", str(tmp_path / "hf"))
+    sampled = _ids(capsys, checkpoint, *hot, "--seed", "7")
+    assert sampled == _ids(capsys, checkpoint, *hot, "--seed", "7") != results[0]
 
 
 def test_sampling_is_reproducible_per_seed_and_not_greedy(checkpoint, capsys):
@@ -96,8 +102,9 @@ def test_text_prompt_through_a_tokenizer_override(checkpoint, capsys):
 
 
 def test_a_recorded_tokenizer_that_is_gone_names_the_override_flags(checkpoint):
-    moved = dataclasses.replace(load_model(checkpoint), tokenizer=TokenizerSpec(
-        "SentencePieceTokenizer", tokenizer_model="elsewhere/sp.model"))
+    cfg = load_model(checkpoint).config
+    moved = dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, tokenizer_type="SentencePieceTokenizer", tokenizer_model="elsewhere/sp.model"))
     with pytest.raises(ConfigError, match="cannot be loaded .*pass them again with "
                        "--tokenizer-model, --vocab-file"):
         resolve_tokenizer(moved, {})
@@ -129,6 +136,11 @@ BAD = [
     (["--load", "CKPT", *IDS, "--tokenizer-type", "NullTokenizer", "--vocab-file", "v.json"],
      "NullTokenizer does not use --vocab-file"),
     (["--load", "CKPT", *IDS, "--top-p", "0.9"], "unknown flag on the command line (--top-p"),
+    (["--load", "CKPT", *IDS, "--hf", "MISSING"], "MISSING holds no config.json: pass the "
+     "directory tools/checkpoint/export_hf.py wrote"),
+    (["--load", "CKPT", *IDS, "--hf", "CKPT"], "holds no config.json"),
+    (["--load", "CKPT", *IDS, "--hf", "MISSING", "--max-new-tokens", "12"],
+     "give --max-new-tokens 11 or less"),
 ]
 
 
@@ -141,6 +153,32 @@ def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, capsys, argv, exp
     err = captured.err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
     assert captured.out == ""
+
+
+def test_a_directory_that_is_not_this_checkpoints_export_is_one_line(checkpoint, tmp_path,
+                                                                     capsys):
+    """Not a transformers model, weights unlike their config, another model's vocabulary."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=300)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "other")
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text('{"model_type": "no-such-model"}')
+    (tmp_path / "unlike").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "unlike" / name).write_bytes((tmp_path / "other" / name).read_bytes())
+    (tmp_path / "unlike" / "config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "other" / "config.json").read_text()), "vocab_size": 203}))
+    capsys.readouterr()
+    for name, expected in (("unknown", "cannot be loaded by transformers ("),
+                           ("unlike", "cannot be loaded by transformers (its weights do "
+                            "not fit its config.json)"),
+                           ("other", "has a vocabulary of 300 tokens but the checkpoint's "
+                            "model has 203: pass the export of --load")):
+        assert generate_tool.main(["--load", str(checkpoint), *IDS, "--hf",
+                                   str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --hf {tmp_path / name} ") and expected in err, err
+        assert err.count("\n") == 1, err
 
 
 def test_help_prints_and_exits_0(capsys):

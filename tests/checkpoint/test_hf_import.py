@@ -1,17 +1,23 @@
 """Import from Hugging Face: a model transformers creates (random weights) imported and
 trained through pretrain_gpt at TP=2 x PP=2 starts from transformers' own loss on the same
-tokens, and HF -> megatron3d -> HF is bitwise identical."""
+tokens, and HF -> megatron3d -> HF is bitwise identical. What cannot be imported (a config
+missing a key or with a mistyped value, no weights, a missing package, a pickle that would
+run code) is one line, and nothing is written."""
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.data.mock import MockGPTDataset
+from tests.checkpoint.conftest import PEAK_LINE
 from tests.checkpoint.test_bad_checkpoints import _tree
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import train
@@ -23,6 +29,9 @@ safetensors = pytest.importorskip("safetensors.torch")
 import_hf, export_hf = load_tool("checkpoint/import_hf.py"), load_tool("checkpoint/export_hf.py")
 
 SEQ, VOCAB, GBS = 16, 203, 8
+# transformers' default std (0.02) makes near-uniform logits (loss ~ ln V) whatever the
+# weights' order, so a misplaced tensor would not change the loss: 0.5 makes it ~9 vs 5.3.
+INIT_RANGE = 0.5
 CONFIGS = {
     "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": SEQ},
     "bloom": {"model_type": "bloom", "n_layer": 2, "hidden_size": 32, "n_head": 4},
@@ -36,8 +45,8 @@ def _hf_model(flavour: str, directory: Path):
     config = dict(CONFIGS[flavour])
     kind = config.pop("model_type")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.CONFIG_MAPPING[kind](vocab_size=VOCAB, **config)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(transformers.CONFIG_MAPPING[kind](
+        vocab_size=VOCAB, initializer_range=INIT_RANGE, **config)).eval()
     model.save_pretrained(directory)
     return model
 
@@ -71,6 +80,7 @@ def test_imported_models_start_from_transformers_loss(tmp_path):
     per_rank = run_distributed(_first_losses, 4, directories, timeout_s=300)
     last_stage = per_rank[-1]
     for flavour, expected in hf_losses.items():
+        assert expected > math.log(VOCAB) + 2, (flavour, expected)  # far from a flat guess
         assert last_stage[flavour][0] == pytest.approx(expected, rel=1e-4), flavour
 
 
@@ -131,3 +141,108 @@ def test_weights_missing_a_tensor_are_one_line_and_leave_nothing(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no tensor model.layers.1.mlp.down_proj.weight" in err
     assert not (tmp_path / "ckpt").exists()
+
+
+def _import_refused(tmp_path: Path, capsys, expected: str, hf: Path | None = None) -> None:
+    """Import of ``hf`` (default ``tmp_path/hf``) exits 2 with one line holding
+    ``expected`` and writes nothing."""
+    before = _tree(tmp_path)
+    capsys.readouterr()  # transformers' own output while saving
+    assert import_hf.main(["--hf", str(hf or tmp_path / "hf"), "--save",
+                           str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert _tree(tmp_path) == before and not (tmp_path / "ckpt").exists()
+
+
+DROP = object()  # a key removed from config.json
+
+
+@pytest.mark.parametrize(("flavour", "change", "expected"), [
+    ("gpt2", {"n_embd": DROP}, "config.json has no n_embd (a whole number >= 1): the file "
+     "is incomplete"),
+    ("gpt2", {"n_layer": "two"}, "config.json has n_layer='two', expected a whole number >= 1"),
+    ("gpt2", {"n_head": 5}, "n_embd=32, which n_head=5 does not divide"),
+    ("gpt2", {"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+    ("bloom", {"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon='1e-5', expected a finite"),
+    ("llama", {"num_hidden_layers": 2.5}, "num_hidden_layers=2.5, expected a whole number"),
+    ("llama", {"tie_word_embeddings": "no"}, "tie_word_embeddings='no', expected true or false"),
+    ("llama", {"num_key_value_heads": 3}, "num_attention_heads=8, which "
+     "num_key_value_heads=3 does not divide"),
+    ("llama", {"rope_parameters": "default"}, "rope_parameters='default', expected an object"),
+], ids=["missing key", "mistyped int", "heads", "untied gpt2", "mistyped float", "float int",
+        "mistyped bool", "groups", "rope not an object"])
+def test_a_config_problem_is_one_line_naming_the_key(tmp_path, capsys, flavour, change,
+                                                     expected):
+    _hf_model(flavour, tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in change.items():
+        if value is DROP:
+            del config[key]
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    _import_refused(tmp_path, capsys, expected)
+
+
+def test_no_config_no_weights_or_no_safetensors_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    _import_refused(tmp_path, capsys, "has no config.json", tmp_path / "empty")
+    _hf_model("gpt2", tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "safetensors", None)  # import raises ImportError
+        _import_refused(tmp_path, capsys, "needs the safetensors package: pip install")
+    weights.rename(tmp_path / "elsewhere.safetensors")
+    _import_refused(tmp_path, capsys, "has no model.safetensors, sharded safetensors or "
+                    "pytorch_model.bin")
+    weights.write_bytes(b"not safetensors")
+    _import_refused(tmp_path, capsys, "cannot be read as safetensors")
+
+
+def test_pytorch_model_bin_imports_like_safetensors(tmp_path, capsys):
+    model = _hf_model("llama", tmp_path / "hf")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    for name in ("hf", "bin"):
+        assert import_hf.main(["--hf", str(tmp_path / name), "--save",
+                               str(tmp_path / f"ckpt-{name}")]) == 0
+        assert PEAK_LINE.search(capsys.readouterr().out.splitlines()[-1])
+    ours, theirs = (CheckpointReader.latest(tmp_path / f"ckpt-{n}") for n in ("hf", "bin"))
+    assert ours.names() == theirs.names()
+    for name in ours.names():
+        assert torch.equal(ours.tensor(name), theirs.tensor(name)), name
+
+
+class _RunsCode:
+    """Unpickling this would create ``path``: what a malicious pickle does, harmlessly."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path, capsys):
+    _hf_model("gpt2", tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    torch.save({"transformer.wte.weight": _RunsCode(marker)},
+               tmp_path / "hf" / "pytorch_model.bin")
+    _import_refused(tmp_path, capsys, "cannot be read with torch's weights-only loader")
+    assert not marker.exists()
+
+
+def test_a_save_path_under_a_file_is_one_line(tmp_path, capsys):
+    _hf_model("gpt2", tmp_path / "hf")
+    (tmp_path / "file").write_text("keep me\n")
+    before = _tree(tmp_path)
+    capsys.readouterr()
+    assert import_hf.main(["--hf", str(tmp_path / "hf"), "--save",
+                           str(tmp_path / "file" / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --save must be a directory, but it is under the file ")
+    assert err.count("\n") == 1 and _tree(tmp_path) == before

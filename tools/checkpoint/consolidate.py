@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron3d.checkpoint.consolidate import consolidate  # noqa: E402
-from megatron3d.checkpoint.streaming import PeakMemory  # noqa: E402
+from megatron3d.checkpoint.streaming import PeakMemory, peak_text, size_text  # noqa: E402
 from megatron3d.cli import OneLineParser, check_output_path, run_tool  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 
@@ -37,10 +37,9 @@ def _run(argv: Sequence[str] | None) -> int:
     peak = PeakMemory()
     check_output_path(args.output, "--output")
     report = consolidate(args.load, args.output)
-    mib = 2.0**20
-    logger.info("wrote %d tensors (%.1f MiB) to %s; peak memory %.1f MiB above the start "
-                "(largest tensor %.1f MiB)", report.tensors, report.total_bytes / mib,
-                report.output, peak.growth / mib, report.largest_bytes / mib)
+    logger.info("wrote %d tensors (%s) to %s; %s", report.tensors,
+                size_text(report.total_bytes), report.output,
+                peak_text(peak.growth, f"largest tensor {size_text(report.largest_bytes)}"))
     return 0
 
 

@@ -5,7 +5,9 @@
 writes config.json and safetensors shards (one per layer, fp32, vocabulary padding dropped)
 for GPT2LMHeadModel, BloomForCausalLM or LlamaForCausalLM, whichever holds the model; then
 loads the result with transformers and compares its logits with megatron3d's own forward
-(``--no-verify`` skips that). Needs ``pip install -e '.[hf]'``.
+(``--no-verify`` skips that). Everything is checked before anything is written, and a
+failure part-way (the verification included) leaves nothing behind. Needs
+``pip install -e '.[hf]'``.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron3d.checkpoint.hf_export import export, verify  # noqa: E402
-from megatron3d.cli import OneLineParser, run_tool  # noqa: E402
-from megatron3d.errors import TrainingError  # noqa: E402
+from megatron3d.checkpoint.hf_export import export, plan_export  # noqa: E402
+from megatron3d.checkpoint.streaming import peak_text, size_text  # noqa: E402
+from megatron3d.cli import OneLineParser, check_output_path, run_tool  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 
 logger = get_logger("export_hf")
-_TOLERANCE = 1e-4  # of the largest |logit|: fp32 sums in another order differ by ~1e-6
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,20 +38,18 @@ def _run(argv: Sequence[str] | None) -> int:
                    help="skip loading the export with transformers and comparing logits")
     args = p.parse(argv)
     setup_logging(0, 0)
-    report = export(args.load, args.output)
-    gib = 2.0**30
-    logger.info("wrote %d tensors to %s; peak tensor memory %.3f GiB (largest tensor %.3f GiB)",
-                report.tensors, report.output, report.peak_bytes / gib, report.largest_bytes / gib)
-    if args.no_verify:
-        return 0
-    agreement = verify(args.load, report.output)
-    logger.info("transformers vs megatron3d logits: max abs difference %.3g (largest |logit| "
-                "%.3g), top-1 agreement %.1f%%", agreement.max_abs_diff,
-                agreement.max_abs_logit, 100 * agreement.top1_agreement)
-    if agreement.max_abs_diff > _TOLERANCE * max(1.0, agreement.max_abs_logit):
-        raise TrainingError(f"the export in {report.output} does not reproduce the "
-                            f"checkpoint's logits (max abs difference "
-                            f"{agreement.max_abs_diff:.3g}): please report this")
+    plan = plan_export(args.load, args.output, verify=not args.no_verify)
+    check_output_path(str(plan.output), "--output", prefix=True)  # a directory is fine here
+    if plan.transformers is not None:  # its loading bar would sit between our lines
+        plan.transformers.utils.logging.disable_progress_bar()
+    report = export(plan)
+    held = (f"largest layer {size_text(report.largest_layer_bytes)}, largest tensor "
+            f"{size_text(report.largest_bytes)}")
+    verified = ("" if report.agreement is None else
+                f"; {size_text(report.peak_bytes)} with the verification, which holds the "
+                "whole model twice (transformers' and megatron3d's)")
+    logger.info("wrote %d tensors to %s; %s while writing%s", report.tensors, report.output,
+                peak_text(report.written_peak_bytes, held), verified)
     return 0
 
 

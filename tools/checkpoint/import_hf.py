@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron3d.checkpoint.hf_import import import_hf  # noqa: E402
+from megatron3d.checkpoint.streaming import PeakMemory, peak_text, size_text  # noqa: E402
 from megatron3d.cli import OneLineParser, add_int, run_tool  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 from megatron3d.ranges import AT_LEAST_ONE, SIZE  # noqa: E402
@@ -39,11 +40,11 @@ def _run(argv: Sequence[str] | None) -> int:
             "max_position_embeddings (2048 for BLOOM)")
     args = p.parse(argv)
     setup_logging(0, 0)
-    written, peak = import_hf(args.hf, args.save, args.tensor_model_parallel_size,
-                              args.pipeline_model_parallel_size, args.seq_length)
-    logger.info("wrote %s (peak tensor memory %.3f GiB, one layer): train it with "
-                "pretrain_gpt.py --load %s --use-checkpoint-args", written, peak / 2.0**30,
-                args.save)
+    peak = PeakMemory()
+    written, layer = import_hf(args.hf, args.save, args.tensor_model_parallel_size,
+                               args.pipeline_model_parallel_size, args.seq_length)
+    logger.info("wrote %s: train it with pretrain_gpt.py --load %s --use-checkpoint-args; %s",
+                written, args.save, peak_text(peak.growth, f"largest layer {size_text(layer)}"))
     return 0
 
 

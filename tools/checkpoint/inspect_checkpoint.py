@@ -20,12 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron3d.checkpoint.inspection import checked_tensors, summary, tensor_lines  # noqa: E402
 from megatron3d.checkpoint.reader import CheckpointReader  # noqa: E402
-from megatron3d.checkpoint.streaming import PeakMemory  # noqa: E402
+from megatron3d.checkpoint.streaming import PeakMemory, peak_text, size_text  # noqa: E402
 from megatron3d.cli import OneLineParser, run_tool  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 
 logger = get_logger("inspect_checkpoint")
-MIB = 2.0**20
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,10 +46,12 @@ def _run(argv: Sequence[str] | None) -> int:
         wanted = checked_tensors(reader)
         for line in tensor_lines(reader, wanted):
             logger.info(line)
-        largest = max(4 * math.prod(reader.shape(name, kind)) for name, kind in wanted)
-        logger.info("%d logical tensors; peak memory %.1f MiB above the start (largest "
-                    "tensor %.1f MiB)", len({name for name, _ in wanted}), peak.growth / MIB,
-                    largest / MIB)
+    else:
+        wanted = [(name, "weight") for name in reader.names()]
+    largest = max((4 * math.prod(reader.shape(name, kind)) for name, kind in wanted), default=0)
+    logger.info("%d logical tensors%s; %s", len({name for name, _ in wanted}),
+                "" if args.tensors else " (only their descriptions read: --tensors reads them)",
+                peak_text(peak.growth, f"largest tensor {size_text(largest)}"))
     return 0
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron3d.checkpoint.contents import ZERO_STAGES  # noqa: E402
 from megatron3d.checkpoint.relayout import reshape  # noqa: E402
-from megatron3d.checkpoint.streaming import PeakMemory  # noqa: E402
+from megatron3d.checkpoint.streaming import PeakMemory, peak_text, size_text  # noqa: E402
 from megatron3d.cli import OneLineParser, add_int, run_tool  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 from megatron3d.ranges import AT_LEAST_ONE  # noqa: E402
@@ -52,12 +52,12 @@ def _run(argv: Sequence[str] | None) -> int:
     report = reshape(args.load, args.save, args.tensor_model_parallel_size,
                      args.pipeline_model_parallel_size, args.data_parallel_size,
                      args.zero_stage, args.pp_partition_method)
-    layout, mib = report.layout, 2.0**20
+    layout = report.layout
     logger.info("wrote %s: %d logical tensors in %d rank files (TP %d, PP %d, DP %d, ZeRO-%d); "
-                "peak memory %.1f MiB above the start (largest target stage "
-                "%.1f MiB)", report.checkpoint, report.tensors, layout.world_size, layout.tp,
-                layout.pp, layout.dp, layout.zero_stage, peak.growth / mib,
-                report.largest_stage_bytes / mib)
+                "%s", report.checkpoint, report.tensors, layout.world_size, layout.tp,
+                layout.pp, layout.dp, layout.zero_stage,
+                peak_text(peak.growth, "largest target pipeline stage with its optimizer "
+                          f"state: {size_text(report.largest_stage_bytes)}"))
     return 0
 
 
