@@ -52,7 +52,8 @@ def workdir(tmp_path, monkeypatch):
 PRE = ["--output-prefix", "o", "--no-progress", "--input", "c.jsonl"]
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
 TOK = ["--input", "c.jsonl", "--model-prefix", "tok"]
-CACHE = ["--data-path", "tokens", "--seq-length", "8", "--train-samples", "4"]
+CACHE = ["--data-path", "tokens", "--seq-length", "8", "--train-samples", "4",
+         "--global-batch-size", "2"]
 
 CASES = [
     ("preprocess_data", [*PRE, *NULL, "--workers", "0"], "--workers='0'): expected a whole "
@@ -81,6 +82,9 @@ CASES = [
     ("preprocess_data", [*NULL, "--input", "c.jsonl", "--output-prefix", "d/"],
      "names a directory"),
     ("preprocess_data", [*PRE, *NULL, "--json-keys", "text", "text"], "'text' twice"),
+    ("preprocess_data", [*PRE, *NULL, "--input-format", "xml"], "invalid choice: 'xml'"),
+    ("preprocess_data", [*PRE, *NULL, "--input-format", "text", "--json-keys", "title"],
+     "--json-keys title applies to JSONL input"),
     ("preprocess_data", [*PRE, "--tokenizer-type", "NullTokenizer", "--vocab-size", "70000",
                          "--dtype", "uint16"], "--dtype uint16 holds ids up to 65535"),
     ("preprocess_data", [*PRE, *NULL], "the line at byte 18: NullTokenizer: word 'x'"),
@@ -98,14 +102,18 @@ CASES = [
     ("prepare_data_cache", [*CACHE, "--seq-length", "0"], "--seq-length='0'"),
     ("prepare_data_cache", [*CACHE, "--train-samples", "-5"], "--train-samples='-5'"),
     ("prepare_data_cache", [*CACHE, "--seed", "-1"], "--seed='-1'"),
-    ("prepare_data_cache", [*CACHE, "--valid-samples", "nan"], "--valid-samples='nan'"),
+    ("prepare_data_cache", [*CACHE, "--eval-iters", "nan"], "--eval-iters='nan'"),
+    ("prepare_data_cache", [*CACHE, "--train-iters", "3"], "not allowed with argument"),
+    ("prepare_data_cache", [*CACHE[:-2]], "required: --global-batch-size"),
+    ("prepare_data_cache", [*CACHE, "--rampup-batch-size", "1", "3", "8"], "rampup"),
     ("prepare_data_cache", [*CACHE, "--data-cache-path", "f"], "--data-cache-path 'f' is a "
      "file"),
     ("prepare_data_cache", [*CACHE, "--split", "abc"], "invalid split"),
-    ("prepare_data_cache", [*CACHE, "--data-path", "none"], "none.bin: data file not found"),
+    ("prepare_data_cache", [*CACHE, "--data-path", "tokns.idx"], "no dataset at data prefix "
+     "'tokns' (tokns.idx not found; nearest existing: tokens)"),
     ("prepare_data_cache", [*CACHE, "--data-path", "floats"], "floats.idx: dtype float64 is "
      "not a token dtype"),
-    ("prepare_data_cache", ["--seq-length", "8", "--train-samples", "4"], "exactly one of"),
+    ("prepare_data_cache", CACHE[2:], "exactly one of"),
     ("hang_report", [], "required: dump_dir"),
     ("hang_report", ["f"], "f is not a directory"),
     ("hang_report", ["d"], "no readable rank-XXXXX.txt dump in d"),
@@ -152,7 +160,10 @@ def test_good_input_still_works(capsys):
                                          "new/ids", "--workers", "1", "--chunk-mb", "1e-5",
                                          "--no-progress"]) == 0
     assert Path("new/ids_text_document.idx").is_file()
-    assert capsys.readouterr().err == ""
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines()[-1].startswith(
+        "wrote new/ids_text_document.bin/.idx from jsonl input in ")
+    assert out.splitlines()[-1].endswith(": 8 documents, 16 tokens, dtype uint16")
 
 
 @pytest.mark.parametrize(("error", "code"), [(DataError, 2), (TrainingError, 1)])

@@ -1,12 +1,16 @@
-"""Tokenize a JSONL corpus into Megatron indexed datasets (``.bin``/``.idx``).
+"""Tokenize a JSONL or plain-text corpus into Megatron indexed datasets (``.bin``/``.idx``).
 
     python tools/preprocess_data.py --input corpus.jsonl --json-keys text \
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model \
         --output-prefix data/corpus --append-eod --workers 4
 
-writes ``data/corpus_text_document.bin/.idx`` (``{prefix}_{key}_document``). The output is
-identical for any ``--workers``; ``--partitions N`` writes N intermediate datasets and merges
-them, reusing finished ones when rerun after a crash.
+writes ``data/corpus_text_document.bin/.idx`` (``{prefix}_{key}_document``) and a
+``.meta.json`` beside them (counts and token-id range, checked by training at start). A plain
+text input (one document per line; ``--input-format text``, the default unless the file is
+``.jsonl``/``.json`` or starts with a JSON object) writes ``{prefix}_text_document``. The
+output is identical for any ``--workers``; ``--partitions N`` writes N intermediate datasets
+and merges them, reusing finished ones when rerun after a crash. The last line states the
+documents, tokens and dtype written.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ from megatron3d.cli import (  # noqa: E402
     check_output_path,
     run_tool,
 )
-from megatron3d.data.preprocess import PreprocessJob, preprocess  # noqa: E402
+from megatron3d.data.dataset_meta import read_meta  # noqa: E402
+from megatron3d.data.preprocess import (  # noqa: E402
+    INPUT_FORMATS,
+    PreprocessJob,
+    detect_format,
+    preprocess,
+)
 from megatron3d.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec  # noqa: E402
 from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
@@ -64,9 +74,13 @@ def tokenizer_spec(args: argparse.Namespace) -> TokenizerSpec:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--input", required=True, help="JSONL file, one document per line")
-    p.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys to tokenize; one output dataset per key")
+    p.add_argument("--input", required=True,
+                   help="JSONL or plain-text file, one document per line")
+    p.add_argument("--input-format", choices=INPUT_FORMATS,
+                   help="default: jsonl for .jsonl/.json files or a first line holding a "
+                   "JSON object, else text")
+    p.add_argument("--json-keys", nargs="+",
+                   help="JSONL keys to tokenize, one output dataset per key (default: text)")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document")
@@ -108,9 +122,11 @@ def _run(argv: Sequence[str] | None) -> int:
     setup_logging(0, 0)
     check_output_path(args.output_prefix, "--output-prefix", prefix=True)
     job = PreprocessJob(input=args.input, output_prefix=args.output_prefix,
-                        tokenizer=tokenizer_spec(args), json_keys=tuple(args.json_keys),
+                        tokenizer=tokenizer_spec(args),
+                        json_keys=tuple(args.json_keys or ["text"]),
                         append_eod=args.append_eod, dtype=args.dtype,
-                        chunk_bytes=math.ceil(args.chunk_mb * 1e6))
+                        chunk_bytes=math.ceil(args.chunk_mb * 1e6),
+                        input_format=args.input_format or detect_format(args.input))
     start = time.perf_counter()
     exists = os.path.isfile(args.input)  # else preprocess says so, with no empty bar
     total = os.path.getsize(args.input) if exists else 0
@@ -121,8 +137,11 @@ def _run(argv: Sequence[str] | None) -> int:
     finally:
         if bar is not None:
             bar.close()
-    logger.info("wrote %s in %.1fs", ", ".join(f"{o}.bin/.idx" for o in outputs),
-                time.perf_counter() - start)
+    for prefix in outputs:
+        meta = read_meta(prefix)
+        logger.info("wrote %s.bin/.idx from %s input in %.1fs: %s documents, %s tokens, "
+                    "dtype %s", prefix, job.input_format, time.perf_counter() - start,
+                    f"{meta.documents:,}", f"{meta.tokens:,}", meta.dtype)
     return 0
 
 

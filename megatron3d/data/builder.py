@@ -8,6 +8,8 @@ arguments so it needs nothing but the flag values.
 
 from __future__ import annotations
 
+import difflib
+import glob
 import math
 import os
 from collections.abc import Sequence
@@ -23,10 +25,11 @@ from megatron3d.data.blended_dataset import (
     draws_per_source,
     normalise_weights,
 )
+from megatron3d.data.dataset_meta import check_vocabulary
 from megatron3d.data.gpt_dataset import GPTDataset, require_token_dtype
 from megatron3d.data.index_cache import IndexCache
-from megatron3d.data.indexed_dataset import IndexedDataset
-from megatron3d.errors import ConfigError
+from megatron3d.data.indexed_dataset import IndexedDataset, index_file_path
+from megatron3d.errors import ConfigError, DataError
 from megatron3d.log import get_logger
 
 logger = get_logger(__name__)
@@ -57,6 +60,7 @@ def parse_data_path(data_path: Sequence[str] | str | None,
     """``PATH`` or ``W1 P1 W2 P2 ...`` from the flag, or the same words from a file.
 
     In a ``--data-path-file``, words are separated by any whitespace and ``#`` starts a comment.
+    A prefix given with its ``.bin`` or ``.idx`` suffix means the prefix.
     """
     if (data_path is None) == (data_path_file is None):
         raise ConfigError("give exactly one of --data-path and --data-path-file "
@@ -74,13 +78,39 @@ def parse_data_path(data_path: Sequence[str] | str | None,
             [w for item in data_path for w in str(item).split()]
         where = "in --data-path"
     if len(words) == 1:
-        return DataSources((words[0],), (1.0,))
+        return DataSources((_strip_suffix(words[0]),), (1.0,))
     pairs = list(zip(words[0::2], words[1::2], strict=False))
     if len(words) % 2 or not words or not all(_is_number(w) for w, _ in pairs):
         raise ConfigError(f"invalid dataset list {where}: {' '.join(words)!r}; write one "
                           "prefix, or weight-prefix pairs such as '0.3 data/a 0.7 data/b'")
     weights = normalise_weights([float(w) for w, _ in pairs])
-    return DataSources(tuple(p for _, p in pairs), tuple(float(x) for x in weights))
+    return DataSources(tuple(_strip_suffix(p) for _, p in pairs),
+                       tuple(float(x) for x in weights))
+
+
+def _strip_suffix(path: str) -> str:
+    root, ext = os.path.splitext(path)
+    return root if ext in (".bin", ".idx") else path
+
+
+def check_sources_exist(sources: DataSources) -> None:
+    """``DataError`` for the first prefix with no ``.idx``, naming the nearest existing ones
+    in its directory (a mistyped name is the usual cause)."""
+    for prefix in sources.prefixes:
+        if os.path.isfile(index_file_path(prefix)):
+            continue
+        directory, name = os.path.split(prefix)
+        folder = directory or "."
+        existing = sorted(os.path.basename(p)[:-len(".idx")] for p in glob.glob(
+            os.path.join(glob.escape(folder), "*.idx")))
+        near = [os.path.join(directory, n) for n in
+                difflib.get_close_matches(name, existing, n=3, cutoff=0.6) or existing[:3]]
+        hint = (f"nearest existing: {', '.join(near)}" if near
+                else f"{folder} holds no .idx file" if os.path.isdir(folder)
+                else f"there is no directory {folder}")
+        raise DataError(f"no dataset at data prefix {prefix!r} ({index_file_path(prefix)} not "
+                        f"found; {hint}): give the prefix of an existing .bin/.idx pair, or "
+                        "make it with tools/preprocess_data.py")
 
 
 def _is_number(word: str) -> bool:
@@ -118,11 +148,16 @@ def default_cache_dir(sources: DataSources) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(sources.prefixes[0])), "index-cache")
 
 
-def _open_token_datasets(sources: DataSources) -> list[IndexedDataset]:
-    """Every source, opened and checked to hold token ids, before any index is built."""
+def _open_token_datasets(sources: DataSources, vocab_size: int | None = None,
+                         tokenizer_type: str = "the tokenizer") -> list[IndexedDataset]:
+    """Every source, opened and checked to hold token ids (inside ``vocab_size`` when given,
+    see ``dataset_meta``), before any index is built."""
+    check_sources_exist(sources)
     datasets = [IndexedDataset(p) for p in sources.prefixes]
     for ds in datasets:
         require_token_dtype(ds)
+        if vocab_size is not None:
+            check_vocabulary(ds, vocab_size, tokenizer_type)
     return datasets
 
 
@@ -130,15 +165,17 @@ def build_datasets(*, data_path: Sequence[str] | str | None, seq_length: int, se
                    train_samples: int, valid_samples: int = 0, test_samples: int = 0,
                    data_path_file: str | None = None, split: str = DEFAULT_SPLIT,
                    data_cache_path: str | None = None, vocab_size: int | None = None,
+                   tokenizer_type: str = "the tokenizer",
                    cache_timeout_s: float = 1800.0) -> SplitDatasets:
     """Train/valid/test datasets holding at least the requested numbers of samples.
 
     Every rank calls this; index caches missing from ``data_cache_path`` (default
     ``index-cache`` beside the first dataset) are built by one process while the others
-    wait up to ``cache_timeout_s``. ``vocab_size`` enables the per-batch token-range check.
+    wait up to ``cache_timeout_s``. ``vocab_size`` (of ``tokenizer_type``, named in errors)
+    enables the token-range checks: at start, then on every batch.
     """
     sources = parse_data_path(data_path, data_path_file)
-    datasets = _open_token_datasets(sources)
+    datasets = _open_token_datasets(sources, vocab_size, tokenizer_type)
     ranges = [split_ranges(len(ds), parse_split(split)) for ds in datasets]
     cache = IndexCache(data_cache_path or default_cache_dir(sources), timeout_s=cache_timeout_s)
     logger.info("building datasets: %d train, %d valid, %d test samples of %d tokens, seed %d, "

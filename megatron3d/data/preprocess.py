@@ -1,4 +1,9 @@
-"""JSONL -> tokenized indexed datasets, in parallel, with output independent of parallelism.
+"""JSONL or plain text -> tokenized indexed datasets, in parallel, with output independent of
+parallelism.
+
+JSONL holds one JSON object per line (``json_keys`` pick the texts); plain text holds one
+document per line. Beside each ``.bin/.idx`` goes a ``.meta.json`` (``dataset_meta``) with the
+counts and the range of token ids, which training checks against its tokenizer at start.
 
 The input is cut into ~1 MiB chunks at line starts. Workers read their chunk straight from
 the file (text never passes through the parent), tokenize it and send back compact token
@@ -27,6 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron3d.data.dataset_meta import (
+    DatasetMeta,
+    describe,
+    meta_file_path,
+    read_meta,
+    write_meta,
+)
 from megatron3d.data.indexed_builder import IndexedDatasetBuilder, best_dtype, merge_datasets
 from megatron3d.data.indexed_dataset import data_file_path, index_file_path
 from megatron3d.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer
@@ -37,6 +49,8 @@ logger = get_logger(__name__)
 
 Progress = Callable[[int, int], None]  # (documents, input bytes) done since the last call
 _WINDOW_PER_WORKER = 4  # chunks in flight per worker
+INPUT_FORMATS = ("jsonl", "text")
+IdRange = tuple[int, int] | None  # smallest and largest token id; None: no tokens
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class PreprocessJob:
     append_eod: bool = False
     dtype: str | None = None  # token dtype; default uint16 below 65500 tokens, else int32
     chunk_bytes: int = 1 << 20
+    input_format: str = "jsonl"  # or "text": one document per line
 
     def key_prefix(self, key: str, part: str = "") -> str:
         """Megatron's output name: ``{output_prefix}_{key}_document``."""
@@ -67,6 +82,7 @@ class _Chunk:
 class _ChunkResult:
     tokens: dict[str, np.ndarray]  # all documents' tokens, concatenated
     lengths: dict[str, np.ndarray]  # int64 [documents] tokens per document
+    id_ranges: dict[str, IdRange]
     documents: int
     nbytes: int
 
@@ -116,10 +132,12 @@ def _tokenize_chunk(chunk: _Chunk) -> _ChunkResult:
             starts.append(offset)
         offset += len(line)
     sizes = {k: np.asarray(v, dtype=np.int64) for k, v in lengths.items()}
-    return _ChunkResult(
-        tokens={k: _as_tokens(v, sizes[k], starts, tok.vocab_size, dtype, job)
-                for k, v in ids.items()},
-        lengths=sizes, documents=len(starts), nbytes=chunk.end - chunk.start)
+    tokens = {k: _as_tokens(v, sizes[k], starts, tok.vocab_size, dtype, job)
+              for k, v in ids.items()}
+    return _ChunkResult(tokens=tokens, lengths=sizes, documents=len(starts),
+                        nbytes=chunk.end - chunk.start,
+                        id_ranges={k: (int(v.min()), int(v.max())) if v.size else None
+                                   for k, v in tokens.items()})
 
 
 def _tokenize(tok: Tokenizer, text: str, job: PreprocessJob, offset: int) -> list[int]:
@@ -131,6 +149,12 @@ def _tokenize(tok: Tokenizer, text: str, job: PreprocessJob, offset: int) -> lis
 
 
 def _parse(line: bytes, job: PreprocessJob, offset: int) -> dict:
+    if job.input_format == "text":
+        try:
+            return {"text": line.rstrip(b"\r\n").decode("utf-8")}
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{job.input}: the line at byte {offset} is not UTF-8 ({exc}); "
+                            "convert the file to UTF-8") from None
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -193,16 +217,49 @@ def preprocess(job: PreprocessJob, workers: int = 1, partitions: int = 1,
     return [job.key_prefix(k) for k in job.json_keys]
 
 
+def detect_format(path: str) -> str:
+    """``jsonl`` for a ``.jsonl``/``.json`` file or one whose first line is a JSON object,
+    ``text`` otherwise (``--input-format`` overrides)."""
+    if path.endswith((".jsonl", ".json")):
+        return "jsonl"
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        first = next((line for line in f if line.strip()), b"")
+        with contextlib.suppress(ValueError):
+            return "jsonl" if isinstance(json.loads(first), dict) else "text"
+    return "text"
+
+
+def _merge_ranges(a: IdRange, b: IdRange) -> IdRange:
+    if a is None or b is None:
+        return a or b
+    return min(a[0], b[0]), max(a[1], b[1])
+
+
+def _write_meta(job: PreprocessJob, prefix: str, ids: IdRange) -> None:
+    tok = _tokenizer(job.tokenizer)
+    write_meta(prefix, describe(prefix, min_token_id=None if ids is None else ids[0],
+                                max_token_id=None if ids is None else ids[1],
+                                vocab_size=tok.vocab_size,
+                                tokenizer_type=job.tokenizer.tokenizer_type))
+
+
 def _check_input(job: PreprocessJob) -> None:
     if not os.path.isfile(job.input):
-        raise DataError(f"{job.input}: input file not found; pass an existing JSONL file "
+        raise DataError(f"{job.input}: input file not found; pass an existing JSONL or text file "
                         "as --input")
     try:
         with open(job.input, "rb"):
             pass
     except OSError as exc:
         raise DataError(f"{job.input}: cannot read the input ({exc.strerror}); pass a "
-                        "readable JSONL file as --input") from None
+                        "readable JSONL or text file as --input") from None
+    if job.input_format not in INPUT_FORMATS:
+        raise ConfigError(f"--input-format {job.input_format!r} is unknown; give one of "
+                          f"{', '.join(INPUT_FORMATS)}")
+    if job.input_format == "text" and job.json_keys != ("text",):
+        raise ConfigError(f"--json-keys {' '.join(job.json_keys)} applies to JSONL input, but "
+                          f"{job.input} is read as plain text (one document per line); drop "
+                          "--json-keys or pass --input-format jsonl")
     repeated = sorted({k for k in job.json_keys if job.json_keys.count(k) > 1})
     if repeated:
         raise ConfigError(f"--json-keys names {repeated[0]!r} twice; each key writes one "
@@ -250,13 +307,17 @@ def _write(job: PreprocessJob, results: Iterator[_ChunkResult], prefixes: list[s
     with contextlib.ExitStack() as stack:
         builders = [stack.enter_context(IndexedDatasetBuilder(p, np.dtype(job.dtype)))
                     for p in prefixes]
+        ranges: dict[str, IdRange] = dict.fromkeys(job.json_keys)
         for result in results:
             for key, builder in zip(job.json_keys, builders, strict=True):
                 builder.add_documents(result.tokens[key], result.lengths[key])
+                ranges[key] = _merge_ranges(ranges[key], result.id_ranges[key])
             if progress is not None:
                 progress(result.documents, result.nbytes)
         for builder in builders:
             builder.finalize()
+    for key, prefix in zip(job.json_keys, prefixes, strict=True):
+        _write_meta(job, prefix, ranges[key])
 
 
 def _write_partitions(job: PreprocessJob, slices: list[tuple[int, int]],
@@ -279,10 +340,13 @@ def _write_partitions(job: PreprocessJob, slices: list[tuple[int, int]],
         parts.append(prefixes)
     for k, key in enumerate(job.json_keys):
         merge_datasets([prefixes[k] for prefixes in parts], job.key_prefix(key))
+        ranges = [_id_range(read_meta(prefixes[k])) for prefixes in parts]
+        _write_meta(job, job.key_prefix(key), functools.reduce(_merge_ranges, ranges))
     for p, prefixes in enumerate(parts):
         for prefix in prefixes:
             os.remove(data_file_path(prefix))
             os.remove(index_file_path(prefix))
+            os.remove(meta_file_path(prefix))
         os.remove(f"{job.output_prefix}_part{p}of{len(slices)}.done")
 
 
@@ -293,8 +357,13 @@ def _stamp(job: PreprocessJob, bounds: tuple[int, int]) -> dict:
             "job": {k: v for k, v in dataclasses.asdict(job).items() if k != "chunk_bytes"}}
 
 
+def _id_range(meta: DatasetMeta | None) -> IdRange:
+    assert meta is not None  # _marker_matches or _write made it
+    return None if meta.min_token_id is None else (meta.min_token_id, meta.max_token_id)
+
+
 def _marker_matches(marker: str, stamp: dict, prefixes: list[str]) -> bool:
-    if not all(os.path.isfile(index_file_path(p)) for p in prefixes):
+    if not all(os.path.isfile(index_file_path(p)) and read_meta(p) for p in prefixes):
         return False
     try:
         with open(marker) as f:

@@ -1,8 +1,11 @@
-"""Training and validation data for a run: mock data, or Megatron datasets with their tokenizer.
+"""Training, validation and test data for a run: mock data, or Megatron datasets with their
+tokenizer.
 
 The tokenizer decides the model's vocabulary when real data is used, so this runs before the
 model is built. Validation uses the same ``eval_iters`` global batches at every evaluation,
-so the numbers are comparable across a run (Megatron instead moves on to fresh samples).
+so the numbers are comparable across a run (Megatron instead moves on to fresh samples). The
+test split is read once, at the end, for as many samples as one evaluation (Megatron's
+``eval_iters`` test batches).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from megatron3d.errors import ConfigError
 
 VALID_SAMPLE_OFFSET = 2**48
 """Validation samples of the mock dataset start here: same distribution, disjoint samples."""
+TEST_SAMPLE_OFFSET = 2**49
+"""And test samples here."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class RunData:
     vocab_size: int
     train: TokenDataset
     valid: TokenDataset | None
+    test: TokenDataset | None  # None when --split gives the test split no documents
     eod: int | None  # the token whose positions are masked out of the loss, if any
 
 
@@ -42,28 +48,33 @@ class _Offset:
 
 
 def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int) -> RunData:
+    """``valid_samples``: what one evaluation reads, from the validation and the test split."""
     if cfg.data.mock_data:
         mock = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed)
-        return RunData(cfg.model.vocab_size, mock, _Offset(mock, VALID_SAMPLE_OFFSET), None)
+        return RunData(cfg.model.vocab_size, mock, _Offset(mock, VALID_SAMPLE_OFFSET),
+                       _Offset(mock, TEST_SAMPLE_OFFSET), None)
     tokenizer = build_tokenizer(_tokenizer_spec(cfg))
     sets = build_datasets(**_sources(cfg), seq_length=cfg.model.seq_length,
                           seed=cfg.training.seed, train_samples=train_samples,
-                          valid_samples=valid_samples, data_cache_path=cfg.data.data_cache_path,
-                          vocab_size=tokenizer.vocab_size)
+                          valid_samples=valid_samples, test_samples=valid_samples,
+                          data_cache_path=cfg.data.data_cache_path,
+                          vocab_size=tokenizer.vocab_size,
+                          tokenizer_type=cfg.data.tokenizer_type)
     if sets.train is None:
         raise ConfigError(f"the training split is empty (--split={cfg.data.split!r}): give "
                           "training a share of the documents")
     if sets.valid is None and valid_samples > 0:
         raise ConfigError(f"the validation split is empty (--split={cfg.data.split!r}) but "
                           "--eval-iters > 0: give validation a share or pass --eval-iters 0")
-    return RunData(tokenizer.vocab_size, sets.train, sets.valid,
+    return RunData(tokenizer.vocab_size, sets.train, sets.valid, sets.test,
                    tokenizer.eod if cfg.data.eod_mask_loss else None)
 
 
 def dry_run(cfg: TrainConfig, train_samples: int, valid_samples: int) -> str:
     """The --dry-run-data report: per split and source, weight, samples and epochs."""
     reports = dry_run_report(**_sources(cfg), seq_length=cfg.model.seq_length,
-                             train_samples=train_samples, valid_samples=valid_samples)
+                             train_samples=train_samples, valid_samples=valid_samples,
+                             test_samples=valid_samples)
     return "\n".join(format_report(split, rows) for split, rows in reports.items() if rows)
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import pretrain_gpt
+from megatron3d.data import gpt_dataset
 from megatron3d.data import preprocess as preprocess_module
-from megatron3d.data.builder import build_datasets
 from megatron3d.data.corpus import stdlib_documents
 from megatron3d.data.indexed_dataset import IndexedDataset
 from megatron3d.data.preprocess import PreprocessJob, line_aligned_bounds, preprocess
@@ -60,7 +61,8 @@ def test_one_and_four_workers_and_partitions_give_identical_files(corpus, tmp_pa
     parts = preprocess(job(corpus, tmp_path / "p3"), workers=2, partitions=3)[0]
     assert files(one) == files(four) == files(parts)
     assert sorted(p.name for p in tmp_path.iterdir() if "p3" in p.name) == [
-        "p3_text_document.bin", "p3_text_document.idx"]  # intermediates are gone
+        "p3_text_document.bin", "p3_text_document.idx", "p3_text_document.meta.json"]
+    # intermediates are gone
 
 
 def test_a_finished_partition_is_reused_after_a_crash(corpus, tmp_path, monkeypatch):
@@ -168,8 +170,9 @@ def test_line_aligned_bounds(tmp_path):
     assert line_aligned_bounds(str(path), 0, 17, 100) == [(0, 17)]
 
 
-def test_quickstart_tools_end_to_end(tmp_path):
-    """stdlib corpus -> tokenizer -> preprocess -> datasets, through the command-line tools."""
+def test_quickstart_tools_end_to_end(tmp_path, monkeypatch):
+    """stdlib corpus -> tokenizer -> preprocess -> index caches, through the command-line
+    tools; training with the same flags then finds every cache entry the tool built."""
     def tool(name, *args):
         subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)],
                        check=True, capture_output=True, cwd=tmp_path)
@@ -179,11 +182,18 @@ def test_quickstart_tools_end_to_end(tmp_path):
     tool("preprocess_data.py", "--input", "c.jsonl", "--output-prefix", "c", "--append-eod",
          "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "tok.model",
          "--workers", "2", "--no-progress")
-    tool("prepare_data_cache.py", "--data-path", "c_text_document", "--split", "90,10,0",
-         "--seq-length", "32", "--train-samples", "100", "--valid-samples", "10")
-    sets = build_datasets(data_path=str(tmp_path / "c_text_document"), split="90,10,0",
-                          seq_length=32, seed=1234, train_samples=100, valid_samples=10,
-                          vocab_size=400)
-    assert sets.train.samples(0, 100).shape == (100, 33)
-    assert len(list((tmp_path / "index-cache").glob("*.lock"))) == 0
-    assert len(list((tmp_path / "index-cache").iterdir())) == 2  # made by the tool, reused
+    run = ["--data-path", "c_text_document.bin", "--split", "90,10,0", "--seq-length", "32",
+           "--train-iters", "6", "--global-batch-size", "4", "--eval-iters", "12"]
+    tool("prepare_data_cache.py", *run)
+    built = sorted((tmp_path / "index-cache").iterdir())  # valid: 48 samples, 2 epochs
+    assert len(built) == 2 and not list((tmp_path / "index-cache").glob("*.lock"))
+
+    def rebuild(*args, **kwargs):
+        raise AssertionError("training rebuilt an index the tool prepared")
+    monkeypatch.setattr(gpt_dataset, "build_sample_index", rebuild)
+    monkeypatch.chdir(tmp_path)
+    assert pretrain_gpt.main([
+        *run, "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--eval-interval", "6",
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "tok.model"]) == 0
+    assert sorted((tmp_path / "index-cache").iterdir()) == built

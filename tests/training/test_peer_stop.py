@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch.distributed as dist
 
+from megatron3d.data.dataset_meta import describe, write_meta
 from megatron3d.data.indexed_builder import IndexedDatasetBuilder
 from megatron3d.training.failure_board import FailureBoard
 from tests.helpers.launch import ROOT, Job, launch
@@ -48,12 +49,15 @@ def _assert_lines(job: Job, failing: set[int], expected: str) -> None:
 
 
 def test_a_data_error_on_one_rank_stops_the_whole_job(tmp_path):
-    """DP=2: only rank 1's slice of the first batch holds a token outside the vocabulary."""
+    """DP=2: only rank 1's slice of the first batch holds a token outside the vocabulary (a
+    sidecar claiming otherwise gets it past the start-up check, as ids a sample missed)."""
     prefix = str(tmp_path / "foreign_text_document")
     with IndexedDatasetBuilder(prefix, np.int32) as builder:
         for i in range(200):
             builder.add_document([1, 2, 3, VOCAB + 400 if i == 7 else 4, 5, 6, 7, VOCAB])
         builder.finalize()
+    write_meta(prefix, describe(prefix, min_token_id=1, max_token_id=VOCAB,
+                                vocab_size=VOCAB + 1, tokenizer_type="NullTokenizer"))
     job = launch("pretrain_gpt.py", _argv(prefix, str(tmp_path / "cache"), 3), 2, tmp_path)
     assert _finish(job) == 2
     _assert_lines(job, {1}, f"token id {VOCAB + 400} is outside the vocabulary")

@@ -1,5 +1,6 @@
 """Training on Megatron .bin/.idx data: through pretrain_gpt, with --eod-mask-loss, and the
-same model under data parallelism as in one process."""
+same model under data parallelism as in one process; data that does not fit the tokenizer
+stops every rank at start with one line."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import numpy as np
 import pytest
 
 import pretrain_gpt
+from megatron3d.data.dataset_meta import describe, write_meta
 from megatron3d.data.indexed_builder import IndexedDatasetBuilder
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import launch
 from tests.helpers.runs import assert_same_run, merge_ranks, train, train_single
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
+from tests.helpers.tools import load_tool, tool_logging
 
 VOCAB = 100  # the null tokenizer's ids; its eod is 100 and its vocabulary 101
 
@@ -53,17 +57,60 @@ def test_pretrain_on_indexed_data_with_eod_mask(dataset, capsys):
 
 
 @pytest.mark.parametrize("foreign", [VOCAB + 400, -3])
-def test_token_outside_the_vocabulary_exits_2_with_one_line(tmp_path, capsys, foreign):
-    """Data made with another tokenizer stops at its first batch, not in the embedding."""
+@pytest.mark.parametrize("sidecar", [False, True], ids=["sampled at start", "at first batch"])
+def test_token_outside_the_vocabulary_exits_2_with_one_line(tmp_path, capsys, foreign,
+                                                            sidecar):
+    """Data made with another tokenizer stops at start (a sample of documents) or, when a
+    sidecar vouches for ids it does not hold, at its first batch; never in the embedding."""
     prefix = str(tmp_path / "foreign_text_document")
     with IndexedDatasetBuilder(prefix, np.int32) as builder:
         for _ in range(40):
             builder.add_document([1, 2, 3, foreign, 5, 6, 7, VOCAB])
         builder.finalize()
+    if sidecar:
+        write_meta(prefix, describe(prefix, min_token_id=0, max_token_id=VOCAB,
+                                    vocab_size=VOCAB + 1, tokenizer_type="NullTokenizer"))
     assert pretrain_gpt.main(_argv(prefix, str(tmp_path / "cache"), 3)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert f"token id {foreign} is outside the vocabulary of {VOCAB + 1} in {prefix}" in err
+    assert ("at start" in err) != sidecar
+    assert (tmp_path / "cache").exists() == sidecar  # at start: before any index is built
+
+
+def test_a_larger_vocabulary_than_the_tokenizer_stops_every_rank_at_start(tmp_path):
+    """Text tokenized with 1000 ids, trained with 100, at DP=2: the sidecar that
+    preprocess_data wrote stops both ranks before any index is built, one line each."""
+    (tmp_path / "corpus.txt").write_text("".join(
+        " ".join(str((7 * i + j) % 1000) for j in range(30)) + "\n" for i in range(200)))
+    with tool_logging():
+        assert load_tool("preprocess_data.py").main([
+            "--input", str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "big"),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--no-progress"]) == 0
+    prefix = str(tmp_path / "big_text_document")
+    job = launch("pretrain_gpt.py", _argv(prefix + ".bin", str(tmp_path / "cache"), 3), 2,
+                 tmp_path)
+    try:
+        assert job.wait(timeout_s=120) == 2
+    finally:
+        job.kill()
+    for rank in range(2):
+        text = job.output(rank)
+        errors = [line for line in text.splitlines() if line.startswith("error: ")]
+        assert job.exit_codes[rank] == 2 and "Traceback" not in text, text[-2000:]
+        assert len(errors) == 1, text[-2000:]
+        assert (f"token id 999 is outside the vocabulary of {VOCAB + 1} in {prefix} "
+                f"({prefix}.meta.json records ids written by NullTokenizer with 1001 ids; "
+                "this run uses NullTokenizer)") in errors[0]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_mistyped_prefix_names_the_nearest_before_any_work(dataset, capsys):
+    prefix, cache = dataset
+    assert pretrain_gpt.main(_argv(prefix.replace("text", "txt") + ".idx", cache, 3)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"not found; nearest existing: {prefix})" in err, err
+    assert capsys.readouterr().out == ""  # refused in validation: no log, no process group
 
 
 def test_dry_run_reports_the_sources(dataset, capsys):
