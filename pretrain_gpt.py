@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from megatron3d import device as devices
-from megatron3d.arguments import format_config, parse_args
+from megatron3d.arguments import format_config, parse_command_line
 from megatron3d.checkpoint import manager as checkpoint
 from megatron3d.checkpoint.safety import check_paths
 from megatron3d.config import TrainConfig
+from megatron3d.data.builder import check_sources_exist, parse_data_path
 from megatron3d.errors import Megatron3dError, TrainingError
 from megatron3d.log import get_logger, setup_logging
 from megatron3d.mpu import traffic
@@ -38,7 +39,8 @@ logger = get_logger("pretrain_gpt")
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()  # --exit-duration-in-mins counts start-up and loading too
     try:
-        cfg = checkpoint.with_checkpoint_args(parse_args(argv))
+        cfg, notices = parse_command_line(argv)
+        cfg = checkpoint.with_checkpoint_args(cfg)
         env = devices.launch_env()  # after parsing, so --help works under any launcher
         if cfg.parallel.print_topology:  # a planning aid: only the layout must be valid
             table = Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
@@ -47,11 +49,14 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(table + "\n")
             return 0
         validate(cfg, env.world_size)
+        devices.check_rendezvous_env(env)
+        if not cfg.data.mock_data:  # flags checked: now the files they name
+            check_sources_exist(parse_data_path(cfg.data.data_path, cfg.data.data_path_file))
         if cfg.data.dry_run_data:
             sys.stdout.write(_dry_run(cfg, env.world_size) + "\n")
             return 0
         memory.check_fits(cfg, env.world_size, devices.memory_capacity(env))
-        check_paths(cfg.checkpoint)  # before the hang dumps go under --save
+        check_paths(cfg.checkpoint, cfg.training.skip_train)  # before hang dumps go under --save
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
@@ -64,21 +69,23 @@ def main(argv: list[str] | None = None) -> int:
                                     cfg.parallel.pipeline_model_parallel_size)
         watchdog = Watchdog.for_run(cfg, state, recorder, board).start()
         try:
-            return _train(cfg, state, dev, started, watchdog)
+            return _train(cfg, state, dev, started, watchdog, notices)
         finally:
             watchdog.stop()
             dist.destroy_process_group()
 
 
 def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: float,
-           watchdog: Watchdog) -> int:
+           watchdog: Watchdog, notices: list[str]) -> int:
     """Build and run. Bad input met anywhere (set-up, a batch, a save) exits 2 and a run that
     went wrong (non-finite gradients or weights) exits 1, each with one line, and the peers
     are told to stop; a peer's failure exits 2 with one line saying so; anything unexpected
     leaves a hang dump and its traceback."""
     try:
         setup_logging(state.world_rank, log_rank=state.world_size - 1)
-        logger.info(format_config(cfg))
+        for notice in notices:  # Megatron flags aliased or ignored (megatron3d/compat.py)
+            logger.info("notice: %s", notice)
+        logger.info(format_config(cfg, state.world_size))
         logger.info(state.topology.table())
         logger.info("device: %s", devices.describe(dev))
         trainer = build_trainer(cfg, state, dev, started)

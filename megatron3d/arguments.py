@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron3d import compat
 from megatron3d.cli import COMMAND_LINE, OneLineParser
 from megatron3d.config import SECTIONS, Range, TrainConfig, flat_fields
 from megatron3d.errors import ConfigError
@@ -235,13 +236,30 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
             for name, value in flat_fields(cfg).items()}
 
 
-def format_config(cfg: TrainConfig) -> str:
-    """The Megatron-style block of sorted ``name ..... value`` lines logged once at start."""
+def format_config(cfg: TrainConfig, world_size: int | None = None) -> str:
+    """The Megatron-style block of sorted ``name ..... value`` lines logged once at start.
+
+    With ``world_size``, fields left unset for a derived default show the value the run uses
+    (``ffn_hidden_size`` 4h, ``global_batch_size`` micro-batch x DP, ...), and
+    ``data_parallel_size`` is added, as Megatron prints its resolved arguments."""
+    values = config_to_dict(cfg)
+    if world_size is not None:
+        values.update(_resolved(cfg, world_size))
     lines = ["------------------------ arguments ------------------------"]
-    for name, value in sorted(config_to_dict(cfg).items()):
+    for name, value in sorted(values.items()):
         lines.append(f"  {name} {'.' * max(3, 48 - len(name))} {value}")
     lines.append("-------------------- end of arguments ---------------------")
     return "\n".join(lines)
+
+
+def _resolved(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    model, dp = cfg.model, cfg.parallel.data_parallel_size(world_size)
+    if model.hidden_size is None or model.num_attention_heads is None:
+        return {"data_parallel_size": dp}
+    return {"ffn_hidden_size": model.ffn_size, "max_position_embeddings": model.max_positions,
+            "num_query_groups": model.query_groups, "kv_channels": model.head_dim,
+            "global_batch_size": cfg.training.global_batch_size
+            or cfg.training.micro_batch_size * dp, "data_parallel_size": dp}
 
 
 # --------------------------------------------------------------------------- YAML
@@ -311,22 +329,42 @@ def build_parser(prog: str | None = None) -> OneLineParser:
     return parser
 
 
-def _parse_command_line(argv: Sequence[str]) -> dict[str, Any]:
-    """Flags actually given -> raw values (strings, string lists, True for switches)."""
-    return vars(build_parser().parse(argv))
+def _parse_command_line(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """Flags actually given -> raw values (strings, string lists, True for switches), after
+    the Megatron flags table (``compat``) rewrote them; and its notices."""
+    parser = build_parser()
+    translation = compat.translate(argv, parser.known_flags())
+    problems = translation.problems
+    if len(problems) == 1:
+        shown, why = problems[0]
+        raise ConfigError(f"cannot use a flag {COMMAND_LINE} ({shown}): {why}")
+    if problems:
+        by_reason: dict[str, list[str]] = {}  # flags refused for one reason are listed once
+        for shown, why in problems:
+            by_reason.setdefault(why, []).append(shown)
+        listed = "; ".join(f"({', '.join(flags)}) {why}" for why, flags in by_reason.items())
+        raise ConfigError(f"{len(problems)} flags {COMMAND_LINE} cannot be used: {listed}")
+    return vars(parser.parse(translation.argv)), translation.notices
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Command line (``sys.argv[1:]`` by default) plus optional ``--config`` YAML -> config.
+def parse_command_line(argv: list[str] | None = None) -> tuple[TrainConfig, list[str]]:
+    """Command line (``sys.argv[1:]`` by default) plus optional ``--config`` YAML -> config,
+    and one notice line per Megatron flag that was aliased or ignored (log them at start).
 
-    Raises ConfigError for unknown flags or keys and badly typed values; ``--help`` prints
-    the flags and exits 0. The result is not yet validated: call ``validation.validate``.
+    Raises ConfigError for unknown or refused flags (all of them in one line), unknown keys
+    and badly typed values; ``--help`` prints the flags and exits 0. The result is not yet
+    validated: call ``validation.validate``.
     """
-    given = _parse_command_line(sys.argv[1:] if argv is None else argv)
+    given, notices = _parse_command_line(sys.argv[1:] if argv is None else argv)
     config_path = given.pop("config", None)
     values: dict[str, Any] = {}
     if config_path is not None:
         source = f"in config file {config_path}"
         values.update(_coerce_all(read_config_file(config_path), source))
     values.update(_coerce_all(given, COMMAND_LINE))
-    return _assemble(values)
+    return _assemble(values), notices
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """``parse_command_line`` without the notices (tests, tools)."""
+    return parse_command_line(argv)[0]

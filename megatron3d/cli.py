@@ -54,6 +54,10 @@ class OneLineParser(argparse.ArgumentParser):
             raise self._unknown_argument(extras)
         return namespace
 
+    def known_flags(self) -> set[str]:
+        """Every option string this parser takes (``--foo``, ``-h``)."""
+        return set(self._flags())
+
     def _flags(self) -> dict[str, argparse.Action]:
         """Every option string (``--foo``, ``-h``) -> its action."""
         return {flag: action for action in self._actions for flag in action.option_strings}

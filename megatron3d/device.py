@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,21 @@ def launch_env() -> LaunchEnv:
                           f"WORLD_SIZE={world_size}): launch with torchrun, or set RANK to "
                           f"0..{world_size - 1}")
     return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, launched=True)
+
+
+def check_rendezvous_env(env: LaunchEnv) -> None:
+    """MASTER_ADDR and MASTER_PORT, which the env:// rendezvous of a launched run reads
+    (torchrun sets both): ``ConfigError`` instead of a traceback in the rendezvous."""
+    if not env.launched:
+        return
+    if not os.environ.get("MASTER_ADDR", "").strip():
+        raise ConfigError("the launcher environment has WORLD_SIZE but no MASTER_ADDR: launch "
+                          "with torchrun, or set MASTER_ADDR to the host of rank 0")
+    port = os.environ.get("MASTER_PORT", "")
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"invalid launcher environment variable (MASTER_PORT={port!r}): "
+                          "expected a port number in 1..65535; launch with torchrun, or set "
+                          "MASTER_PORT to a free port on the host of rank 0")
 
 
 def _env_int(name: str, low: int) -> int:
@@ -96,6 +112,17 @@ def peak_tflops(dev: torch.device) -> float | None:
 def allocated_bytes() -> int | None:
     """Bytes the accelerator's allocator holds now, or None on CPU."""
     return torch.cuda.memory_allocated() if accelerator_available() else None
+
+
+def memory_in_use(dev: torch.device) -> dict[str, float]:
+    """Memory figures for TensorBoard, read from the allocator without a device sync: the
+    GPU allocator's current, peak and reserved bytes, or on CPU the process's peak RSS."""
+    if dev.type == "cuda":
+        return {"mem-allocated-bytes": float(torch.cuda.memory_allocated(dev)),
+                "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated(dev)),
+                "mem-reserved-bytes": float(torch.cuda.memory_reserved(dev))}
+    return {"mem-max-rss-bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                       * 1024)}  # Linux reports KiB
 
 
 def memory_capacity(env: LaunchEnv) -> int:

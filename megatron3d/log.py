@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +75,8 @@ class IterationStats:
     """One log interval, as plain Python numbers (already synced with the device).
 
     elapsed_s: seconds per iteration averaged over the interval. lm_loss: interval average,
-    None when every step was skipped or NaN. grad_norm / num_zeros: None when not computed.
+    None when every step was skipped or NaN. grad_norm / num_zeros / params_norm: None when not
+    computed.
     tflops: hardware TFLOP/s per GPU (recomputation included). model_tflops: set only when
     activation recomputation makes it differ from ``tflops``. mfu_percent: None when the peak
     of the device is unknown.
@@ -97,6 +99,7 @@ class IterationStats:
     tflops: float
     model_tflops: float | None = None
     mfu_percent: float | None = None
+    params_norm: float | None = None
 
 
 def format_iteration_line(stats: IterationStats) -> str:
@@ -116,6 +119,8 @@ def format_iteration_line(stats: IterationStats) -> str:
         fields.append(f" grad norm: {stats.grad_norm:.3f} |")
     if stats.num_zeros is not None:
         fields.append(f" num zeros: {stats.num_zeros:.1f} |")
+    if stats.params_norm is not None:
+        fields.append(f" params norm: {stats.params_norm:.3f} |")
     fields += [
         f" number of skipped iterations: {stats.skipped_iterations:3d} |",
         f" number of nan iterations: {stats.nan_iterations:3d} |",
@@ -127,6 +132,16 @@ def format_iteration_line(stats: IterationStats) -> str:
     if stats.mfu_percent is not None:
         fields.append(f" MFU: {stats.mfu_percent:.1f}% |")
     return "".join(fields)
+
+
+@dataclass(frozen=True)
+class Point:
+    """Where a TensorBoard scalar is plotted: the iteration, and the consumed samples and
+    tokens (Megatron's "vs samples" series, which stay comparable under a batch-size ramp)."""
+
+    iteration: int
+    samples: int
+    tokens: int
 
 
 class TensorBoardWriter:
@@ -147,31 +162,16 @@ class TensorBoardWriter:
     def active(self) -> bool:
         return self._writer is not None
 
-    def write_iteration(self, stats: IterationStats, step: int) -> None:
-        """Write one log interval's scalars at ``step`` (the iteration number)."""
+    def write(self, scalars: Mapping[str, float | None], at: Point) -> None:
+        """Each scalar (None: not measured, skipped) as three series: ``NAME`` vs the
+        iteration, ``NAME vs samples`` and ``NAME vs tokens``."""
         if self._writer is None:
             return
-        scalars: dict[str, float | None] = {
-            "lm loss": stats.lm_loss,
-            "learning-rate": stats.learning_rate,
-            "batch-size": stats.global_batch_size,
-            "grad-norm": stats.grad_norm,
-            "num-zeros": stats.num_zeros,
-            "loss-scale": stats.loss_scale,
-            "iteration-time": stats.elapsed_s,
-            "samples-per-second": stats.samples_per_second,
-            "TFLOPs": stats.tflops,
-            "model TFLOPs": stats.model_tflops,
-            "MFU": stats.mfu_percent,
-        }
         for name, value in scalars.items():
             if value is not None:
-                self._writer.add_scalar(name, value, step)
-
-    def write_eval(self, loss: float, step: int) -> None:
-        """Validation loss at ``step``, named as Megatron names it."""
-        if self._writer is not None:
-            self._writer.add_scalar("lm loss validation", loss, step)
+                self._writer.add_scalar(name, value, at.iteration)
+                self._writer.add_scalar(f"{name} vs samples", value, at.samples)
+                self._writer.add_scalar(f"{name} vs tokens", value, at.tokens)
 
     def flush(self) -> None:
         if self._writer is not None:

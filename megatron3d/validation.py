@@ -188,6 +188,13 @@ def _check_model(values: dict[str, Any]) -> None:
             {"hidden_size": hidden, "num_attention_heads": heads},
             "pick a head count that divides --hidden-size",
         )
+    if values["kv_channels"] not in (None, hidden // heads):
+        raise _error(
+            "--kv-channels must be hidden size / heads: every head here has that many channels",
+            {"kv_channels": values["kv_channels"], "hidden_size": hidden,
+             "num_attention_heads": heads},
+            f"drop --kv-channels or set it to {hidden // heads}",
+        )
     _check_query_groups(values)
     position = values["position_embedding_type"]
     if position == "rope" and (hidden // heads) % 2:
@@ -342,11 +349,17 @@ def _nearest_multiples(value: int, unit: int) -> str:
 
 def _check_checkpoint(values: dict[str, Any]) -> None:
     needs = {"save_interval": "save", "keep_last_n": "save", "new_series": "save",
-             "finetune": "load", "use_checkpoint_args": "load"}
+             "finetune": "load", "use_checkpoint_args": "load", "skip_train": "load",
+             "no_load_optim": "load", "no_load_rng": "load",
+             "exit_on_missing_checkpoint": "load"}
     for name, needed in needs.items():
         if values[name] and not values[needed]:
             raise _error(f"{flag(name)} needs {flag(needed)}", {name: values[name]},
                          f"pass {flag(needed)} DIR or drop {flag(name)}")
+    both = ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
+    if all(values[name] for name in both):
+        raise _error("the schedule follows either the flags or the checkpoint",
+                     dict.fromkeys(both, True), "drop one of the two flags")
 
 
 def _check_zero(cfg: TrainConfig) -> None:

@@ -232,6 +232,17 @@ def test_format_config_is_sorted_megatron_lines():
     assert all(line.split()[1].strip(".") == "" for line in lines)
 
 
+def test_format_config_shows_the_values_a_run_resolves():
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+                      "--seq-length", "32"])
+    lines = format_config(cfg, world_size=8).splitlines()
+    for name, value in [("ffn_hidden_size", 256), ("max_position_embeddings", 32),
+                        ("num_query_groups", 4), ("kv_channels", 16), ("global_batch_size", 8),
+                        ("data_parallel_size", 4)]:
+        assert f"  {name} {'.' * (48 - len(name))} {value}" in lines, name
+
+
 # --------------------------------------------------------------------------- real scripts
 
 GPT2_345M = """

@@ -10,6 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron3d.log import (
     IterationStats,
+    Point,
     TensorBoardWriter,
     format_iteration_line,
     get_logger,
@@ -47,6 +48,11 @@ def keys(line: str) -> list[str]:
 
 def test_iteration_line_exact():
     assert format_iteration_line(STATS) == EXPECTED
+
+
+def test_params_norm_follows_num_zeros():
+    line = format_iteration_line(dataclasses.replace(STATS, params_norm=12.34567))
+    assert " num zeros: 0.0 | params norm: 12.346 | number of skipped" in line
 
 
 def test_field_order():
@@ -126,36 +132,23 @@ def scalars(log_dir) -> EventAccumulator:
     return events
 
 
-def test_tensorboard_scalars_round_trip(tmp_path):
+def test_tensorboard_scalars_round_trip_vs_iterations_samples_and_tokens(tmp_path):
     writer = TensorBoardWriter(str(tmp_path), enabled=True)
     for step, loss in [(10, 6.5), (20, 5.25), (30, 4.0)]:
-        writer.write_iteration(dataclasses.replace(STATS, iteration=step, lm_loss=loss), step)
-    writer.write_eval(4.5, 30)
+        writer.write({"lm loss": loss, "batch-size": 16, "grad-norm": None},
+                     Point(step, step * 16, step * 16 * 1024))
     writer.flush()
     writer.close()
     events = scalars(tmp_path)
     tags = set(events.Tags()["scalars"])
-    assert {"lm loss", "learning-rate", "batch-size", "grad-norm", "loss-scale", "TFLOPs",
-            "samples-per-second", "lm loss validation"} <= tags
-    assert "model TFLOPs" not in tags and "MFU" not in tags
-    loss = events.Scalars("lm loss")
-    assert [e.step for e in loss] == [10, 20, 30]
-    assert [e.value for e in loss] == [6.5, 5.25, 4.0]
+    assert tags == {f"{name}{vs}" for name in ("lm loss", "batch-size")
+                    for vs in ("", " vs samples", " vs tokens")}  # None: not written
+    series = {vs: [(e.step, e.value) for e in events.Scalars(f"lm loss{vs}")]
+              for vs in ("", " vs samples", " vs tokens")}
+    assert series[""] == [(10, 6.5), (20, 5.25), (30, 4.0)]
+    assert series[" vs samples"] == [(160, 6.5), (320, 5.25), (480, 4.0)]
+    assert series[" vs tokens"] == [(163840, 6.5), (327680, 5.25), (491520, 4.0)]
     assert events.Scalars("batch-size")[0].value == 16
-    assert events.Scalars("learning-rate")[0].value == pytest.approx(3.787e-6)
-    assert events.Scalars("grad-norm")[-1].value == pytest.approx(2.7634)
-    assert events.Scalars("TFLOPs")[0].value == pytest.approx(12.34)
-    validation = events.Scalars("lm loss validation")
-    assert [(e.step, e.value) for e in validation] == [(30, 4.5)]
-
-
-def test_tensorboard_skips_absent_values(tmp_path):
-    writer = TensorBoardWriter(str(tmp_path), enabled=True)
-    writer.write_iteration(dataclasses.replace(STATS, lm_loss=None, grad_norm=None), 1)
-    writer.close()
-    tags = set(scalars(tmp_path).Tags()["scalars"])
-    assert "lm loss" not in tags and "grad-norm" not in tags
-    assert "learning-rate" in tags
 
 
 @pytest.mark.parametrize(("enabled", "with_dir"), [(False, True), (True, False)])
@@ -163,8 +156,7 @@ def test_disabled_writer_is_a_no_op(tmp_path, enabled, with_dir):
     log_dir = tmp_path / "tb"
     writer = TensorBoardWriter(str(log_dir) if with_dir else None, enabled=enabled)
     assert not writer.active
-    writer.write_iteration(STATS, 1)
-    writer.write_eval(1.0, 1)
+    writer.write({"lm loss": 1.0}, Point(1, 1, 1))
     writer.flush()
     writer.close()
     assert not log_dir.exists()

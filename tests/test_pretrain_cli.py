@@ -91,10 +91,16 @@ def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK='-1'"),
     ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2, WORLD_SIZE=2"),
     ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "x"}, "LOCAL_RANK='x'"),
+    ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": "29500"}, "no MASTER_ADDR"),
+    ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "h"}, "MASTER_PORT=''"),
+    ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "abc"},
+     "MASTER_PORT='abc'"),
+    ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
+     "MASTER_PORT='70000'"),
 ])
 def test_bad_launcher_environment_exits_2(monkeypatch, capsys, env, named):
     """A broken launcher environment is bad input like a bad flag, not a traceback or a hang."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

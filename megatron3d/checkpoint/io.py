@@ -161,9 +161,12 @@ def clear_for_save(root: Path, iteration: int) -> None:
         shutil.rmtree(final)
 
 
-def is_published(root: Path, iteration: int) -> bool:
-    """Whether ``latest`` already names this iteration (saved twice at one step)."""
-    return (root / LATEST).exists() and read_latest(root) == iteration
+def is_published(root: Path, iteration: int, series: str) -> bool:
+    """Whether ``latest`` already names this iteration of ``series`` (saved twice at one
+    step). Another series' checkpoint of that number (``--new-series``) is not ours: it is
+    replaced."""
+    return ((root / LATEST).exists() and read_latest(root) == iteration
+            and _in_series(iteration_dir(root, iteration), series))
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

@@ -2,9 +2,15 @@
 
 What a checkpoint holds: the fp32 weights and Adam moments as layout-free chunks (see
 ``chunks.py``), Adam's step, the loss scaler, the iteration and consumed samples/tokens (which
-fix the data position, batch size and learning rate), every rank's RNG states, the full
-configuration and the layout it was saved with. The RNG states are restored only into the same
-layout; a resharded run continues with fresh dropout streams, which it reports.
+fix the data position, batch size and learning rate), the resolved learning-rate schedule,
+every rank's RNG states, the full configuration and the layout it was saved with. The RNG
+states are restored only into the same layout; a resharded run continues with fresh dropout
+streams, which it reports. ``--no-load-optim`` and ``--no-load-rng`` skip what they name.
+
+A resumed run whose flags give another schedule than the saved one (a new ``--train-iters``,
+warmup, decay or learning rate) would jump to another learning rate; as in Megatron it is
+refused unless ``--override-opt_param-scheduler`` or ``--use-checkpoint-opt_param-scheduler``
+says which to follow.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from megatron3d.mpu import comm
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import ParallelState
+from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 
 logger = get_logger(__name__)
@@ -64,7 +71,8 @@ def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
 
 
 def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-         optimizer: MixedPrecisionOptimizer, progress: Progress, rng: RNGStreams) -> None:
+         optimizer: MixedPrecisionOptimizer, progress: Progress, rng: RNGStreams,
+         lr_schedule: LRSchedule) -> None:
     """Every rank writes its own file; rank 0 publishes the checkpoint when all are done.
     Non-finite weights or moments are refused on every rank before anything is written; a
     write that fails (a full disk, a path that changed) is a ``CheckpointError`` on the rank
@@ -72,7 +80,7 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
     path = Path(root)
     final = io.iteration_dir(path, progress.iteration)
     tmp = final.with_name(final.name + ".tmp")
-    if io.is_published(path, progress.iteration):  # e.g. the interval and the end coincide
+    if _published(path, progress, state, optimizer.shard.grads.device):
         return
     local = optimizer.local_state()
     _check_finite(local, state, progress.iteration, path)
@@ -93,12 +101,21 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
                 "format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress),
                 "adam_step": float(local["step"]), "layout": layout(cfg, state),
                 "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
-                "config": dataclasses.asdict(cfg)})
+                "lr_schedule": dataclasses.asdict(lr_schedule), "config": dataclasses.asdict(cfg)})
             io.publish(path, progress.iteration)
             if cfg.checkpoint.keep_last_n:
                 io.prune(path, cfg.checkpoint.keep_last_n, progress.series)
     comm.barrier(state.world)
     logger.info("saved checkpoint at iteration %d to %s", progress.iteration, final)
+
+
+def _published(root: Path, progress: Progress, state: ParallelState,
+               device: torch.device) -> bool:
+    """Whether this checkpoint is already saved (the save interval and the end of the run
+    met). Rank 0 decides, since only its series is ever written, and tells the others."""
+    mine = state.world_rank == 0 and io.is_published(root, progress.iteration, progress.series)
+    flag = torch.tensor([float(mine)], device=device)
+    return bool(comm.all_reduce(flag, state.world, op=comm.MAX).item())
 
 
 def _check_finite(local: dict[str, torch.Tensor], state: ParallelState, iteration: int,
@@ -135,13 +152,8 @@ def with_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
 
 def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
     """Fail on model differences; print the allowed differences that will be applied."""
+    _refuse_other_model(cfg, saved)
     mine = dataclasses.asdict(cfg)
-    wrong = [f"{k}: checkpoint {saved['model'].get(k)!r} vs {v!r}"
-             for k, v in mine["model"].items()
-             if k not in RUN_ONLY_MODEL_FIELDS and saved["model"].get(k) != v]
-    if wrong:
-        raise CheckpointError("the checkpoint is of a different model (" + "; ".join(wrong)
-                              + "): change these flags or pass --use-checkpoint-args")
     changed = [f"{section}.{k}: {saved.get(section, {}).get(k)!r} -> {v!r}"
                for section, values in mine.items() if section not in _RUN_SECTIONS
                for k, v in values.items() if _norm(saved.get(section, {}).get(k)) != _norm(v)]
@@ -151,12 +163,14 @@ def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
 
 def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, weights_only: bool) -> Progress:
-    """Install the checkpoint into this rank's parameters and optimizer shard."""
+    """Install the checkpoint into this rank's parameters and optimizer shard (only the
+    weights with ``weights_only`` or --no-load-optim)."""
     reader = CheckpointReader(directory)
     meta = reader.meta
     check_model_matches(cfg, meta["config"])
+    no_optim = weights_only or cfg.checkpoint.no_load_optim
     # Adam's moments are zero before its first step: converted checkpoints do not store them.
-    kinds = ("weight",) if weights_only or meta["adam_step"] == 0 else KINDS
+    kinds = ("weight",) if no_optim or meta["adam_step"] == 0 else KINDS
     target = {k: torch.zeros(optimizer.shard.numel, dtype=torch.float32) for k in KINDS}
     for p in params:
         for kind in kinds:
@@ -166,14 +180,21 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
     device = optimizer.shard.grads.device
     target = {k: v.to(device) for k, v in target.items()}
     target["step"] = torch.tensor(meta["adam_step"])
-    optimizer.load_local_state(target, weights_only)
+    optimizer.load_local_state(target, no_optim)
     if weights_only:
         return Progress(0, 0, 0, Progress.new_series())
-    if optimizer.scaler is not None and meta["loss_scaler"] is not None:
+    if cfg.checkpoint.no_load_optim:
+        logger.info("--no-load-optim: not loading the optimizer state (Adam moments and step, "
+                    "loss scale): Adam starts from zero moments, the fp32 master weights are "
+                    "the loaded weights")
+    elif optimizer.scaler is not None and meta["loss_scaler"] is not None:
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
     saved_rng = reader.files[state.world_rank]["rng"] if meta["layout"] == layout(cfg, state) \
         else None
-    if saved_rng is not None:
+    if cfg.checkpoint.no_load_rng:
+        logger.info("--no-load-rng: not restoring the saved RNG states; the random streams "
+                    "start from --seed %d", cfg.training.seed)
+    elif saved_rng is not None:
         _restore_rng(rng, saved_rng)
     else:  # another layout, or a converted checkpoint (no RNG states)
         logger.info("the checkpoint (layout %s) holds no RNG states for this run's layout %s: "
@@ -181,6 +202,69 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
                     "fresh", meta["layout"], layout(cfg, state))
     return Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"],
                     io.series_of(meta))
+
+
+_OVERRIDE = "--override-opt_param-scheduler"
+_USE_SAVED = "--use-checkpoint-opt_param-scheduler"
+
+
+def resume_schedule(cfg: TrainConfig, flags: LRSchedule) -> LRSchedule:
+    """The schedule a run follows: the flags' unless it resumes (not --finetune, not
+    --skip-train) from a checkpoint whose recorded schedule gives another learning-rate
+    curve, which is an error unless --override-opt_param-scheduler (the flags') or
+    --use-checkpoint-opt_param-scheduler (the checkpoint's) decides. Reads only meta.json
+    (a different model is reported first), so every rank decides alike before the model is
+    built; checkpoints older than the record follow the flags."""
+    ckpt, chosen = cfg.checkpoint, cfg.lr_schedule
+    if not ckpt.load or ckpt.finetune or cfg.training.skip_train:
+        return flags
+    directory = find(ckpt.load)
+    if directory is None:
+        return flags
+    _refuse_other_model(cfg, checkpoint_config(directory))
+    saved = _saved_schedule(directory)
+    if saved is None:
+        if chosen.use_checkpoint_opt_param_scheduler:
+            raise ConfigError(f"{_USE_SAVED}: {directory} was saved before checkpoints "
+                              "recorded the learning-rate schedule; drop the flag to follow "
+                              "the flags' schedule")
+        return flags
+    differs = "; ".join(saved.differences(flags))
+    if not differs:
+        return flags
+    if chosen.override_opt_param_scheduler:
+        logger.info("%s: following the flags' learning-rate schedule (checkpoint vs flags: "
+                    "%s)", _OVERRIDE, differs)
+        return flags
+    if chosen.use_checkpoint_opt_param_scheduler:
+        logger.info("%s: keeping the checkpoint's learning-rate schedule (checkpoint vs "
+                    "flags: %s)", _USE_SAVED, differs)
+        return saved
+    raise ConfigError(f"the learning-rate schedule differs from the one saved in {directory} "
+                      f"(checkpoint vs flags: {differs}): pass {_OVERRIDE} to follow the flags "
+                      f"or {_USE_SAVED} to keep the checkpoint's")
+
+
+def _saved_schedule(directory: Path) -> LRSchedule | None:
+    """The schedule recorded in ``directory``'s meta.json; None before it was recorded."""
+    record = io.read_meta(directory).get("lr_schedule")
+    if record is None:
+        return None
+    try:
+        return LRSchedule(**record)
+    except (TypeError, ConfigError) as err:
+        raise CheckpointError(f"{directory / 'meta.json'} holds an unusable lr_schedule "
+                              f"({str(err)[:120]}); the file is damaged: load an earlier "
+                              "checkpoint") from None
+
+
+def _refuse_other_model(cfg: TrainConfig, saved: dict[str, Any]) -> None:
+    wrong = [f"{k}: checkpoint {saved['model'].get(k)!r} vs {v!r}"
+             for k, v in dataclasses.asdict(cfg.model).items()
+             if k not in RUN_ONLY_MODEL_FIELDS and saved["model"].get(k) != v]
+    if wrong:
+        raise CheckpointError("the checkpoint is of a different model (" + "; ".join(wrong)
+                              + "): change these flags or pass --use-checkpoint-args")
 
 
 def _norm(value: Any) -> Any:

@@ -23,12 +23,19 @@ from megatron3d.config import CheckpointConfig
 from megatron3d.errors import CheckpointError, ConfigError
 
 
-def check_paths(cfg: CheckpointConfig) -> None:
+def check_paths(cfg: CheckpointConfig, skip_train: bool = False) -> None:
     """Check ``--load`` and ``--save``, reading only. Called on every rank before the process
     group exists (the hang dumps go under ``--save`` from then on); the directory is shared
     by all nodes, so every rank reaches the same verdict."""
     if cfg.load:
         check_load_root(Path(cfg.load))
+        strict = [name for name, on in (("--finetune", cfg.finetune),
+                                        ("--use-checkpoint-args", cfg.use_checkpoint_args),
+                                        ("--skip-train", skip_train),
+                                        ("--exit-on-missing-checkpoint",
+                                         cfg.exit_on_missing_checkpoint)) if on]
+        if strict:  # a plain --load may find nothing: it starts from scratch
+            require_checkpoint(cfg.load, strict[0])
     if cfg.save:
         check_save_dir(Path(cfg.save))
         if not cfg.new_series:
@@ -47,6 +54,18 @@ def check_load_root(root: Path) -> None:
     hint = next((p for p in root.parents if (p / io.LATEST).is_file()), root.parent)
     raise ConfigError(f"--load takes the checkpoint root, the directory holding "
                       f"'{io.LATEST}', not {what} ({root}): pass --load {hint}")
+
+
+def require_checkpoint(load: str, needed_by: str) -> None:
+    """``needed_by`` (--finetune, --use-checkpoint-args, --skip-train) has nothing to do
+    without a checkpoint, so unlike a plain ``--load`` it may not start from scratch."""
+    root = Path(load)
+    if io.has_checkpoints(root):
+        return
+    why = "holds no checkpoint" if root.is_dir() else "does not exist"
+    raise ConfigError(f"{needed_by} needs a checkpoint to load, but the --load directory {why} "
+                      f"({root}): point --load at the --save directory of a run that saved "
+                      f"one, or drop {needed_by}")
 
 
 def check_save_dir(root: Path) -> None:

@@ -37,6 +37,9 @@ class ModelConfig:
     num_query_groups: int | None = option(
         None, "Key/value heads under --group-query-attention; divides the head count and is "
         "divisible by the tensor-parallel size.", range=AT_LEAST_ONE)
+    kv_channels: int | None = option(
+        None, "Channels per attention head; must be hidden size / heads (the default).",
+        range=SIZE)
     ffn_hidden_size: int | None = option(
         None, "MLP inner size; default 4h, or 2/3 of 4h rounded down to 64 with --swiglu.",
         range=SIZE)

@@ -99,6 +99,11 @@ class CheckpointConfig:
         None, "Save and stop at the first iteration divisible by N.", range=ITERATIONS)
     exit_duration_in_mins: float | None = option(
         None, "Save and stop once training has run this many minutes.", range=POSITIVE)
+    kill_switch_path: str | None = option(
+        None, "Save and stop at the next iteration once this file exists (checked by every "
+        "rank after each step; BigScience's way to stop a job that would be requeued).")
+    exit_on_missing_checkpoint: bool = option(
+        False, "Fail when --load holds no checkpoint, instead of starting from scratch.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,21 +19,23 @@ from megatron3d.mpu.state import AxisGroup
 @dataclass(frozen=True)
 class GradStats:
     norm: torch.Tensor  # fp32 scalar
-    num_zeros: torch.Tensor  # fp32 scalar
+    num_zeros: torch.Tensor | None  # fp32 scalar; None when not counted
 
 
-def grad_stats(counted: list[torch.Tensor], axes: list[AxisGroup],
-               device: torch.device) -> GradStats:
-    """Norm and zero count of the gradients counted on this rank, summed over ``axes``."""
-    both = torch.zeros(2, dtype=torch.float32, device=device)
+def grad_stats(counted: list[torch.Tensor], axes: list[AxisGroup], device: torch.device,
+               count_zeros: bool = False) -> GradStats:
+    """Norm (and with ``count_zeros`` the zero count) of the tensors counted on this rank,
+    summed over ``axes``. Counting zeros costs a kernel per tensor: only when it is logged."""
+    both = torch.zeros(2 if count_zeros else 1, dtype=torch.float32, device=device)
     if counted:
         norms = torch._foreach_norm(counted)
         both[0] = torch.stack(norms).square().sum()
-        numel = sum(g.numel() for g in counted)
-        both[1] = numel - torch.stack([torch.count_nonzero(g) for g in counted]).sum()
+        if count_zeros:
+            numel = sum(g.numel() for g in counted)
+            both[1] = numel - torch.stack([torch.count_nonzero(g) for g in counted]).sum()
     for axis in axes:
         both = comm.all_reduce(both, axis)
-    return GradStats(norm=both[0].sqrt(), num_zeros=both[1])
+    return GradStats(norm=both[0].sqrt(), num_zeros=both[1] if count_zeros else None)
 
 
 def clip_(grads: torch.Tensor, max_norm: float, norm: torch.Tensor) -> None:

@@ -1,7 +1,11 @@
 """Learning rate as a pure function of consumed samples (Megatron's annealing schedule).
 
-Every length is in samples, so the schedule is independent of the batch-size rampup and a
-resumed run only needs its consumed samples. With W = warmup and D = decay samples:
+Every length is in samples, so a resumed run only needs its consumed samples. Iteration
+flags (``--lr-warmup-iters``, ``--lr-decay-iters``, and ``--train-iters`` as the default decay)
+become the samples the batch schedule really consumes by that iteration, so with
+``--rampup-batch-size`` warmup still ends at iteration ``--lr-warmup-iters`` and decay at
+``--lr-decay-iters`` (Megatron instead refuses rampup with iteration-based schedules; without
+rampup both are ``iters * global batch size``). With W = warmup and D = decay samples:
 
     consumed <= W (and W > 0):  lr = max_lr * consumed / W      (linear warmup from 0)
     constant style:             lr = max_lr
@@ -18,12 +22,18 @@ of a run with warmup has learning rate 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron3d.config import LRDecayStyle, LRScheduleConfig, OptimizerConfig
 from megatron3d.errors import ConfigError
 
 _STYLES = ("constant", "linear", "cosine")
+
+
+_SHAPING_CONSTANT = {"max_lr": "--lr", "warmup_samples": "warmup samples",
+                     "style": "--lr-decay-style"}
+_SHAPING = {**_SHAPING_CONSTANT, "min_lr": "--min-lr", "decay_samples": "decay samples"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,14 @@ class LRSchedule:
                 f"decay ({self.decay_samples} samples); shorten --lr-warmup-* or lengthen "
                 f"--lr-decay-*")
 
+    def differences(self, other: LRSchedule) -> list[str]:
+        """Where ``other`` gives another learning-rate curve, as "what: mine vs other" (the
+        decay length and --min-lr do not shape a constant schedule)."""
+        shaping = _SHAPING if self.style != "constant" or other.style != "constant" \
+            else _SHAPING_CONSTANT
+        return [f"{name}: {getattr(self, key)!r} vs {getattr(other, key)!r}"
+                for key, name in shaping.items() if getattr(self, key) != getattr(other, key)]
+
     def lr_at(self, consumed_samples: int) -> float:
         """Learning rate of the iteration starting at ``consumed_samples``."""
         if self.warmup_samples > 0 and consumed_samples <= self.warmup_samples:
@@ -65,23 +83,23 @@ class LRSchedule:
 
     @classmethod
     def from_config(cls, optimizer_cfg: OptimizerConfig, lr_cfg: LRScheduleConfig,
-                    train_samples: int, final_global_batch_size: int,
+                    train_samples: int, samples_for_iters: Callable[[int], int],
                     iteration_based: bool) -> LRSchedule:
         """Build the schedule from flags, converting iteration flags to samples.
 
-        ``train_samples`` is the default decay length: for a sample-based run what it
-        consumes, for an iteration-based run ``train_iters * final_global_batch_size``
-        (Megatron-LM's conversion, which keeps warmup and decay in one unit even while the
-        batch ramps up). Iteration flags become samples with the final global batch size too.
-        Flags of the other unit than the run's are rejected rather than ignored.
+        ``train_samples`` is what the whole run consumes: the default decay length.
+        ``samples_for_iters(n)`` is what the first n iterations consume (the batch schedule's
+        exact walk through any rampup), so an iteration flag lands on that iteration.
+        ``--lr-warmup-fraction`` is a fraction of the decay length in samples. Flags of the
+        other unit than the run's are rejected rather than ignored.
         """
         if optimizer_cfg.lr is None:
             raise ConfigError("--lr is required: set the peak learning rate, e.g. --lr 6e-4")
         _reject_mixed_units(lr_cfg, iteration_based)
-        gbs = final_global_batch_size
         if iteration_based:
-            decay = train_samples if lr_cfg.lr_decay_iters is None else lr_cfg.lr_decay_iters * gbs
-            warmup = lr_cfg.lr_warmup_iters * gbs
+            decay = train_samples if lr_cfg.lr_decay_iters is None else samples_for_iters(
+                lr_cfg.lr_decay_iters)
+            warmup = samples_for_iters(lr_cfg.lr_warmup_iters)
         else:
             decay = train_samples if lr_cfg.lr_decay_samples is None else lr_cfg.lr_decay_samples
             warmup = lr_cfg.lr_warmup_samples

@@ -42,7 +42,7 @@ class StepStats:
     """Per-step optimizer results, left on the device until the log interval."""
 
     grad_norm: torch.Tensor
-    num_zeros: torch.Tensor
+    num_zeros: torch.Tensor | None  # None unless counted
     skipped: torch.Tensor  # 1.0 if the step was skipped (non-finite grad norm), else 0.0
     # 1.0 if skipped for a NaN/Inf grad norm in bf16/fp32. Always 0.0 in fp16, whose
     # overflows are routine loss-scale events counted as skipped only.
@@ -54,15 +54,17 @@ class MixedPrecisionOptimizer:
     def __init__(self, shard: ShardView, optim: OptimizerConfig, precision: PrecisionConfig,
                  norm_axes: list[AxisGroup],
                  gather_params: Callable[[], None] = lambda: None,
-                 replica_axes: list[AxisGroup] = ()) -> None:
+                 replica_axes: list[AxisGroup] = (), count_zeros: bool = False) -> None:
         """``norm_axes``: where the counted gradients are spread (model-parallel ranks, and
         DP under ZeRO-1/3). ``replica_axes``: ranks holding copies of the same gradients (DP
         without ZeRO); the skip decision is agreed over them too, so a replica whose gradients
-        went non-finite alone cannot step differently from the others."""
+        went non-finite alone cannot step differently from the others. ``count_zeros``:
+        count the zero gradient elements each step (--log-num-zeros-in-grad)."""
         self.shard = shard
         self.clip_grad = optim.clip_grad
         self.norm_axes = norm_axes
         self.replica_axes = list(replica_axes)
+        self.count_zeros = count_zeros
         self.gather_params = gather_params
         self.master = None  # fp32 models update their own parameters
         if shard.params_dtype != torch.float32:
@@ -151,6 +153,14 @@ class MixedPrecisionOptimizer:
                 self.inner.state[p]["step"] = state["step"].to(
                     device=p.device if on_device else "cpu", dtype=torch.float32, copy=True)
 
+    def params_norm(self) -> torch.Tensor:
+        """The L2 norm of the fp32 weights, each logical element once (as the grad norm
+        counts gradients), on the device; a collective over the norm axes, so every rank
+        calls it at the same iterations."""
+        counted = [self._master_part(lo, hi, local)
+                   for seg, lo, hi, local in self.shard.segment_parts() if seg.counted]
+        return grad_stats(counted, self.norm_axes, self.shard.grads.device).norm
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: fp32 master copy and Adam moments."""
         master = 0 if self.master is None else self.master.numel() * 4
@@ -176,7 +186,7 @@ class MixedPrecisionOptimizer:
         scale = self.loss_scale
         if scale != 1.0:
             grads.mul_(1.0 / scale)
-        stats = grad_stats(self._counted, self.norm_axes, grads.device)
+        stats = grad_stats(self._counted, self.norm_axes, grads.device, self.count_zeros)
         skip, norm = self._nonfinite_anywhere(stats.norm)
         if self.scaler is not None:
             overflow = bool(skip)  # the one fp16 host sync per step

@@ -23,7 +23,7 @@ Pure Python, no torch: the same code runs in tools and tests.
 from __future__ import annotations
 
 import re
-from itertools import groupby
+from dataclasses import dataclass
 
 from megatron3d.errors import ConfigError
 
@@ -168,19 +168,46 @@ def _best_last_group(previous: list[int | None], prefix: list[int], groups: int,
     return best, best_start
 
 
-def format_partition_table(bounds: list[int], type_names: list[str],
-                           param_counts: list[int]) -> str:
-    """One line per stage (stage, layer range, layer types, parameters), for the start log."""
-    lines = [f"{'stage':>5}  {'layers':<11}  {'parameters':>15}  types"]
+@dataclass(frozen=True)
+class TiedCopy:
+    """Layer ``layer`` holds a copy of ``numel`` parameters that layer ``owner`` owns."""
+
+    layer: int
+    owner: int
+    numel: int
+
+
+def format_partition_table(bounds: list[int], labels: list[str], param_counts: list[int],
+                           tied: list[TiedCopy] | tuple[TiedCopy, ...] = ()) -> str:
+    """One line per stage (parameters, layers by the labels users know), then the total.
+
+    A tied weight counts once, in its owner's stage; a stage holding a copy of it says so.
+    """
+    lines = [f"{'stage':>5}  {'parameters':>15}  layers"]
     for stage, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        span = f"{start}-{end - 1}" if end - start > 1 else f"{start}"
-        params = sum(param_counts[start:end])
-        types = _compress_names(type_names[start:end])
-        lines.append(f"{stage:>5}  {span:<11}  {params:>15,}  {types}")
+        mine = [c for c in tied if start <= c.layer < end]
+        params = sum(param_counts[start:end]) - sum(c.numel for c in mine)
+        copies = [c for c in mine if not start <= c.owner < end]  # owned by another stage
+        note = (f" (+ {sum(c.numel for c in copies):,} tied copy of {labels[copies[0].owner]})"
+                if copies else "")
+        lines.append(f"{stage:>5}  {params:>15,}  {_compress_labels(labels[start:end])}{note}")
+    unique = sum(param_counts) - sum(c.numel for c in tied)
+    lines.append(f"{'total':>5}  {unique:>15,}  unique parameters")
     return "\n".join(lines)
 
 
-def _compress_names(names: list[str]) -> str:
-    """``[A, B, C, C, C]`` -> ``"A, B, C x3"``: runs of one type shown once with a count."""
-    runs = [(name, len(list(group))) for name, group in groupby(names)]
-    return ", ".join(f"{name} x{count}" if count > 1 else name for name, count in runs)
+def _compress_labels(labels: list[str]) -> str:
+    """``[a, block 1, block 2, block 3]`` -> ``"a, blocks 1-3"``: runs of consecutively
+    numbered labels are shown as one range."""
+    runs: list[tuple[str, int, int]] = []  # (stem, first, last); first = -1 if unnumbered
+    for label in labels:
+        stem, _, number = label.rpartition(" ")
+        if stem and number.isdigit():
+            if runs and runs[-1][0] == stem and runs[-1][2] == int(number) - 1:
+                runs[-1] = (stem, runs[-1][1], int(number))
+            else:
+                runs.append((stem, int(number), int(number)))
+        else:
+            runs.append((label, -1, -1))
+    return ", ".join(label if first < 0 else f"{label} {first}" if first == last
+                     else f"{label}s {first}-{last}" for label, first, last in runs)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from megatron3d.checkpoint import io as checkpoint_io
 from megatron3d.checkpoint import manager as checkpoint
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
@@ -36,6 +38,7 @@ from megatron3d.training.data_setup import build_run_data
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Progress, Trainer
+from megatron3d.training.model_size import ModelSize, format_padded_vocab, model_size
 from megatron3d.training.preflight import check_same_config
 from megatron3d.zero.factory import DataParallel, build_data_parallel
 
@@ -55,11 +58,16 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                              vocab_size=data.vocab_size))
+    lr_schedule = checkpoint.resume_schedule(cfg, LRSchedule.from_config(
+        cfg.optimizer, cfg.lr_schedule, train_samples, schedule.samples_for_iters,
+        iteration_based=cfg.training.train_iters is not None))  # before the model: may refuse
     rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev)
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel)
-    engine = build_engine(cfg, state, ctx)
+    logger.info(format_padded_vocab(cfg.model.vocab_size, ctx.padded_vocab_size))
+    size = model_size(ctx)
+    engine = build_engine(cfg, state, ctx, size)
     params = list(engine.stage.parameters())
     tied = TiedWeights(params, state.embedding)
     tied.broadcast_from_first_stage()
@@ -78,37 +86,40 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     if cfg.checkpoint.load:  # copies must agree after loading as they did at start
         check_replicas()
         tied.check_identical(data_parallel.values_of(tied.params))
-    iters = cfg.training.train_iters
-    lr_schedule = LRSchedule.from_config(
-        cfg.optimizer, cfg.lr_schedule,
-        train_samples if iters is None else iters * schedule.global_batch_size,
-        schedule.global_batch_size, iteration_based=iters is not None)
     batches = functools.partial(_batches, data.train, data.eod, cfg.training.micro_batch_size,
                                 state, dev)
     valid = functools.partial(_batches, data.valid, data.eod, cfg.training.micro_batch_size,
                               state, dev)
-    logger.info("model: %s parameters on this rank", f"{sum(p.numel() for p in params):,}")
+    logger.info("model: %s parameters on this rank, %s unique parameters in total (all stages "
+                "and TP shards, a tied embedding once)", f"{sum(p.numel() for p in params):,}",
+                f"{size.unique:,}")
+    test = None if data.test is None else functools.partial(
+        _batches, data.test, data.eod, cfg.training.micro_batch_size, state, dev)
     return Trainer(
         cfg=cfg, engine=engine, optimizer=optimizer, train_batches=batches,
         valid_batches=lambda i: valid(i * schedule.global_batch_size,
                                       schedule.global_batch_size),
+        test_batches=None if test is None else lambda i: test(i * schedule.global_batch_size,
+                                                              schedule.global_batch_size),
         batch_schedule=schedule, lr_schedule=lr_schedule, total_iters=total_iters,
         world_size=state.world_size, padded_vocab_size=ctx.padded_vocab_size, device=dev,
         writer=TensorBoardWriter(cfg.logging.tensorboard_dir,
                                  enabled=state.world_rank == logging_rank(state)),
         check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp,
         data_parallel=data_parallel,
-        save=functools.partial(_save, cfg, state, params, optimizer, rng, series)
+        save=functools.partial(_save, cfg, state, params, optimizer, rng, lr_schedule, series)
         if cfg.checkpoint.save else None,
         exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started), progress=progress)
 
 
-def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext) -> PipelineEngine:
-    """This rank's stage of the partitioned layer specs, and the engine that runs it."""
+def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
+                 size: ModelSize) -> PipelineEngine:
+    """This rank's stage of the partitioned layer specs, and the engine that runs it;
+    ``size`` names and counts the layers in the logged stage table."""
     specs = gpt_layer_specs(ctx)
     names, counts = [s.type_name for s in specs], layer_param_counts(ctx)
     bounds = partition_layers(names, counts, state.pp.size, cfg.parallel.pp_partition_method)
-    logger.info(format_partition_table(bounds, names, counts))
+    logger.info(format_partition_table(bounds, size.labels, size.counts, size.tied))
     stage = build_stage(specs, bounds[state.pp.rank], bounds[state.pp.rank + 1])
     tp = state.tp.size if cfg.parallel.sequence_parallel else 1
     shape = (cfg.model.seq_length // tp, cfg.training.micro_batch_size, cfg.model.hidden_size)
@@ -135,7 +146,8 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataP
     optimizer = MixedPrecisionOptimizer(
         data_parallel.shard, cfg.optimizer, cfg.precision,
         norm_axes=[state.mp, state.dp] if stage else [state.mp],
-        gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp])
+        gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp],
+        count_zeros=cfg.logging.log_num_zeros_in_grad)
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
     every_rank_logger().info(memory.report(
         f"memory (ZeRO-{stage}, DP={state.dp.size}):",
@@ -161,11 +173,13 @@ def _resume(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
 
 
 def _save(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, series: str,
-          progress: Progress) -> None:
+          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, lr_schedule: LRSchedule,
+          series: str, progress: Progress) -> str:
+    """Save at ``progress``; the checkpoint's directory."""
     checkpoint.save(cfg.checkpoint.save, cfg, state, params, optimizer,
                     checkpoint.Progress(progress.iteration, progress.consumed_samples,
-                                        progress.consumed_tokens, series), rng)
+                                        progress.consumed_tokens, series), rng, lr_schedule)
+    return str(checkpoint_io.iteration_dir(Path(cfg.checkpoint.save), progress.iteration))
 
 
 def valid_samples(cfg: TrainConfig, schedule: BatchSchedule) -> int:

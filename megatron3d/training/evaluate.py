@@ -1,4 +1,4 @@
-"""Validation loss: the same forward path (through the pipeline) without gradients."""
+"""Validation and test loss: the same forward path (through the pipeline) without gradients."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from megatron3d.zero.reducer import average_over
 
 def evaluate(engine: PipelineEngine, batches_for: Callable[[int], list[Batch]],
              num_iters: int, dp: AxisGroup) -> float:
-    """Mean loss over ``num_iters`` validation global batches, meaningful on the last stage
+    """Mean loss over ``num_iters`` evaluation global batches, meaningful on the last stage
     (one host sync at the end)."""
     engine.stage.eval()
     total = sum(engine.forward_only(batches_for(i)) for i in range(num_iters))
@@ -20,10 +20,15 @@ def evaluate(engine: PipelineEngine, batches_for: Callable[[int], list[Batch]],
     return float(average_over(total, dp)) / num_iters
 
 
-def format_eval_line(iteration: int, loss: float) -> str:
-    """Megatron's validation block: loss and perplexity."""
-    ppl = math.exp(min(20.0, loss))
-    body = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-            f" lm loss PPL: {ppl:.6E} |")
+def perplexity(loss: float) -> float:
+    """exp(loss), capped as Megatron caps it (at exp(20)) so an early loss stays printable."""
+    return math.exp(min(20.0, loss))
+
+
+def format_eval_line(where: str, loss: float) -> str:
+    """Megatron's evaluation block: ``where`` is "iteration N" for the periodic validation,
+    "iteration N on validation set" / "... on test set" at the end of a run."""
+    body = (f" validation loss at {where} | lm loss value: {loss:.6E} |"
+            f" lm loss PPL: {perplexity(loss):.6E} |")
     rule = "-" * len(body)
     return f"{rule}\n{body}\n{rule}"

@@ -1,13 +1,16 @@
-"""When to stop early: SLURM's warning signal, a time budget, or an iteration count.
+"""When to stop early: SLURM's warning signal, a time budget, an iteration count or a kill
+switch file.
 
 SIGTERM and SIGUSR1 (what SLURM and torchrun send before killing a job) only set a flag; the
 training loop checks it at the next step boundary. Ranks may see a signal at different moments
-(or not at all), so the decision is agreed: one all-reduce of a flag per step, made only when
-an exit condition is configured.
+(or not at all), so the decision is agreed: one all-reduce of the reasons per step, made only
+when an exit condition is configured. The agreed reasons are named in the stop line and in the
+run's summary.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -27,8 +30,10 @@ class ExitWatch:
         counts start-up and checkpoint loading too); default now."""
         self.cfg, self.world, self.device = cfg, world, device  # NCCL reduces device tensors
         self.start = time.monotonic() if started is None else started
-        self.signalled = False
-        self.active = bool(cfg.save or cfg.exit_interval or cfg.exit_duration_in_mins)
+        self.signalled = 0  # the number of the last signal received, 0 for none
+        self.pressed = False  # agreed: a signal, the time budget or the kill switch stopped it
+        self.active = bool(cfg.save or cfg.exit_interval or cfg.exit_duration_in_mins
+                           or cfg.kill_switch_path)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> ExitWatch:
@@ -42,16 +47,31 @@ class ExitWatch:
             signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        self.signalled = True
+        self.signalled = signum
 
-    def should_stop(self, iteration: int) -> bool:
-        """Agreed by every rank: stop after this iteration."""
+    def should_stop(self, iteration: int) -> str | None:
+        """Agreed by every rank: why to stop after this iteration (e.g. "signal SIGTERM",
+        "--exit-interval 50"), or None to go on."""
         if not self.active:
-            return False
+            return None
         minutes = (time.monotonic() - self.start) / 60.0
-        mine = (self.signalled
-                or bool(self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0)
-                or bool(self.cfg.exit_duration_in_mins
-                        and minutes >= self.cfg.exit_duration_in_mins))
-        flag = torch.tensor([float(mine)], device=self.device)
-        return comm.all_reduce(flag, self.world, op=comm.MAX).item() > 0
+        interval, duration = self.cfg.exit_interval, self.cfg.exit_duration_in_mins
+        switch = self.cfg.kill_switch_path
+        mine = torch.tensor([float(self.signalled),  # the highest signal number any rank saw
+                             float(bool(interval and iteration % interval == 0)),
+                             float(bool(duration and minutes >= duration)),
+                             float(bool(switch and os.path.exists(switch)))],
+                            device=self.device)
+        signum, at_interval, out_of_time, killed = comm.all_reduce(mine, self.world,
+                                                                   op=comm.MAX).tolist()
+        self.pressed = bool(signum or out_of_time or killed)
+        reasons = []
+        if signum:
+            reasons.append(f"signal {signal.Signals(int(signum)).name}")
+        if at_interval:
+            reasons.append(f"--exit-interval {interval}")
+        if out_of_time:
+            reasons.append(f"--exit-duration-in-mins {duration}")
+        if killed:
+            reasons.append(f"kill switch {switch}")
+        return " and ".join(reasons) or None

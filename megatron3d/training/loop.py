@@ -1,4 +1,5 @@
-"""The training loop: steps, the Megatron log line, TensorBoard and periodic evaluation.
+"""The training loop: steps, the Megatron log line, TensorBoard, periodic evaluation, and the
+end of a run: the final save, validation and test evaluation, and one summary line.
 
 Everything per step stays on the device; the loop syncs with the device only at log and
 evaluation boundaries. The data position, batch size and learning rate are pure functions of
@@ -8,34 +9,25 @@ evaluation boundaries. The data position, batch size and learning rate are pure 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from megatron3d import device as devices
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch
-from megatron3d.log import (
-    IterationStats,
-    TensorBoardWriter,
-    every_rank_logger,
-    format_iteration_line,
-    get_logger,
-)
+from megatron3d.log import Point, TensorBoardWriter, every_rank_logger, get_logger
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.pipeline.engine import PipelineEngine
 from megatron3d.training import memory
-from megatron3d.training import metrics as m
 from megatron3d.training.batch_schedule import BatchSchedule
-from megatron3d.training.evaluate import evaluate, format_eval_line
+from megatron3d.training.evaluate import evaluate, format_eval_line, perplexity
 from megatron3d.training.exit_watch import ExitWatch
-from megatron3d.training.flops import FlopsCount, flops_per_iteration, throughput
 from megatron3d.training.grad_sync import GradSync
+from megatron3d.training.reporting import Reporter
 from megatron3d.training.step import StepResult, check_grad_norm, train_step
 from megatron3d.zero.factory import DataParallel
 
@@ -72,13 +64,22 @@ class _NoHeartbeat:
 
 
 @dataclass
-class _Interval:
-    """Host-side bookkeeping of the current log interval."""
+class _Outcome:
+    """What the summary line reports, kept as the run goes."""
 
-    start_time: float = field(default_factory=time.perf_counter)
-    samples: int = 0
-    flops_hardware: int = 0
-    flops_model: int = 0
+    train_loss: torch.Tensor | None = None  # the last step's loss, on the device
+    valid_loss: float | None = None
+    valid_at: int | None = None  # the iteration of ``valid_loss``
+    checkpoint: str | None = None  # the directory this run saved last
+
+    def summary(self, progress: Progress, reason: str) -> str:
+        """The run's last line: where it ended, its last losses, what it saved, and why."""
+        train = "none" if self.train_loss is None else f"{float(self.train_loss):.6E}"
+        valid = "none" if self.valid_loss is None else f"{self.valid_loss:.6E}"
+        return (f"end of run: iteration {progress.iteration} | consumed samples: "
+                f"{progress.consumed_samples} | last lm loss: {train} | last validation lm "
+                f"loss: {valid} | saved checkpoint: {self.checkpoint or 'none'} | stop "
+                f"reason: {reason}")
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Trainer:
     optimizer: MixedPrecisionOptimizer
     train_batches: Callable[[int, int], list[MicroBatch]]  # (consumed, gbs) -> micro-batches
     valid_batches: Callable[[int], list[MicroBatch]]  # eval iteration -> micro-batches
+    test_batches: Callable[[int], list[MicroBatch]] | None  # None: the split has no samples
     batch_schedule: BatchSchedule
     lr_schedule: LRSchedule
     total_iters: int
@@ -101,50 +103,86 @@ class Trainer:
     grad_sync: GradSync  # reductions between backward and the optimizer step
     dp: AxisGroup
     data_parallel: DataParallel  # buffers and shards of this rank's ZeRO stage
-    save: Callable[[Progress], None] | None  # writes a checkpoint (None without --save)
+    save: Callable[[Progress], str] | None  # writes a checkpoint, returns its directory
     exit_watch: ExitWatch
     progress: Progress = field(default_factory=Progress)
     heartbeat: Heartbeat = field(default_factory=_NoHeartbeat)
     on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
+    _last: _Outcome = field(init=False, default_factory=_Outcome)
 
     def run(self) -> Progress:
-        """Train to ``total_iters`` (or until an exit condition); save at the end."""
+        """Train to ``total_iters`` (or until an exit condition) and save; then evaluate on
+        the validation and test splits (not after a signal or --exit-duration-in-mins: time
+        is short) and log the summary line. With --skip-train, or from a checkpoint that
+        already reached the end, only evaluate."""
+        if self.cfg.training.skip_train:
+            logger.info("skipping training (--skip-train is on) ...")
+            reason = "--skip-train"
+        elif self.progress.iteration >= self.total_iters:
+            reason = self._nothing_to_train()
+        else:
+            reason = self._train()
+        if self.exit_watch.pressed:  # as Megatron: the job is about to be killed
+            logger.info("no end-of-run evaluation: stopped by %s", reason)
+        else:
+            with self.heartbeat.allowance("evaluation"):
+                self._final_evaluation()
+        logger.info(self._last.summary(self.progress, reason))
+        self.writer.flush()
+        return self.progress
+
+    def _train(self) -> str:
+        """The steps and the final save; why they stopped."""
+        reason = self._run_length_reached()
         self.engine.stage.train()
-        metrics = m.IntervalMetrics(self.device)
-        interval = _Interval()
+        reporter = Reporter(self.cfg, self.writer, self.device, self.world_size,
+                            self.padded_vocab_size, self.total_iters, self.optimizer.params_norm)
         self.heartbeat.starting(self.progress.iteration)
         with self.exit_watch:
             while self.progress.iteration < self.total_iters:
                 result, lr, gbs = self._step()
                 self.heartbeat.beat(self.progress.iteration)
-                metrics.add_step(result.loss, result.stats.grad_norm, result.stats.num_zeros,
-                                 result.stats.skipped, result.stats.loss_scale,
-                                 nan_grad=result.stats.nan)
-                self._account(interval, gbs)
-                if self._after_step(result, metrics, interval, lr, gbs):
-                    interval = _Interval()
-                if self.exit_watch.should_stop(self.progress.iteration):
-                    logger.info("stopping at iteration %d (signal, --exit-interval or "
-                                "--exit-duration-in-mins)", self.progress.iteration)
+                reporter.step(self._point(), result, lr, gbs)
+                self._after_step(result)
+                stop = self.exit_watch.should_stop(self.progress.iteration)
+                if stop is not None:
+                    logger.info("stopping at iteration %d (%s)", self.progress.iteration, stop)
+                    reason = stop
                     break
+            reporter.finish()
+            self._last.train_loss = result.loss  # stays on the device until the summary
             # Still under the signal handlers: the launcher forwards the preemption SIGTERM a
             # moment after the job's own, and it must not kill the final save half-way.
             self._save()
-        self.writer.flush()
-        return self.progress
+        return reason
 
-    def _after_step(self, result: StepResult, metrics: m.IntervalMetrics, interval: _Interval,
-                    lr: float, gbs: int) -> bool:
-        """Hooks, logging, evaluation, checks and saving; True if a log line closed the
-        interval."""
+    def _point(self) -> Point:
+        return Point(self.progress.iteration, self.progress.consumed_samples,
+                     self.progress.consumed_tokens)
+
+    def _run_length(self) -> str:
+        """The flag that sets the run's length, with its value."""
+        if self.cfg.training.train_iters is not None:
+            return f"--train-iters {self.total_iters}"
+        return f"--train-samples {self.cfg.training.train_samples}"
+
+    def _run_length_reached(self) -> str:
+        """The stop reason of a run that trains to its end."""
+        return f"{self._run_length()} reached"
+
+    def _nothing_to_train(self) -> str:
+        """A loaded checkpoint is already at the end: say so (no silent exit 0)."""
+        logger.info("checkpoint at iteration %d already reached %s: nothing to train; "
+                    "evaluating only", self.progress.iteration, self._run_length())
+        return f"checkpoint already at {self._run_length()}"
+
+    def _after_step(self, result: StepResult) -> None:
+        """Hooks, evaluation, checks and saving."""
         it = self.progress.iteration
         if self.on_step is not None:
             self.on_step(it, result)
         if it == 1 and self.cfg.logging.memory_report:
             self._memory_report()
-        logged = it % self.cfg.logging.log_interval == 0
-        if logged:
-            self._log(metrics.collect(), interval, lr, gbs)
         if it % self.cfg.training.eval_interval == 0 and self.cfg.training.eval_iters > 0:
             with self.heartbeat.allowance("evaluation"):
                 self._evaluate()
@@ -154,12 +192,11 @@ class Trainer:
         save_every = self.cfg.checkpoint.save_interval
         if save_every and it % save_every == 0:
             self._save()
-        return logged
 
     def _save(self) -> None:
         if self.save is not None:
             with self.heartbeat.allowance("checkpoint save"):
-                self.save(self.progress)
+                self._last.checkpoint = self.save(self.progress)
 
     def _step(self) -> tuple[StepResult, float, int]:
         consumed = self.progress.consumed_samples
@@ -174,32 +211,6 @@ class Trainer:
         self.progress.consumed_tokens += gbs * self.cfg.model.seq_length
         return result, lr, gbs
 
-    def _account(self, interval: _Interval, gbs: int) -> None:
-        flops = flops_per_iteration(self.cfg.model, gbs, self.padded_vocab_size)
-        interval.samples += gbs
-        interval.flops_hardware += flops.hardware
-        interval.flops_model += flops.model
-
-    def _log(self, values: dict[str, float], interval: _Interval, lr: float, gbs: int) -> None:
-        devices.synchronize(self.device)
-        steps = int(values[m.STEPS])
-        seconds = time.perf_counter() - interval.start_time
-        per_iter = seconds / steps
-        rate = throughput(FlopsCount(interval.flops_hardware // steps,
-                                     interval.flops_model // steps),
-                          per_iter, self.world_size, self._peak_tflops())
-        stats = IterationStats(
-            iteration=self.progress.iteration, train_iters=self.total_iters,
-            consumed_samples=self.progress.consumed_samples,
-            consumed_tokens=self.progress.consumed_tokens, elapsed_s=per_iter,
-            learning_rate=lr, global_batch_size=gbs, lm_loss=values.get(m.LM_LOSS),
-            loss_scale=values.get(m.LOSS_SCALE, 1.0), grad_norm=values.get(m.GRAD_NORM),
-            num_zeros=values.get(m.NUM_ZEROS), skipped_iterations=int(values[m.SKIPPED]),
-            nan_iterations=int(values[m.NAN]), samples_per_second=interval.samples / seconds,
-            tflops=rate.tflops, model_tflops=rate.model_tflops, mfu_percent=rate.mfu_percent)
-        logger.info(format_iteration_line(stats))
-        self.writer.write_iteration(stats, self.progress.iteration)
-
     def _memory_report(self) -> None:
         params = list(self.engine.stage.parameters())
         expected = memory.analytic(sum(p.numel() for p in params), params[0].element_size(),
@@ -209,10 +220,33 @@ class Trainer:
                                                memory.measured(self.optimizer,
                                                                self.data_parallel)))
 
-    def _peak_tflops(self) -> float | None:
-        return self.cfg.logging.peak_tflops or devices.peak_tflops(self.device)
-
     def _evaluate(self) -> None:
+        it = self.progress.iteration
         loss = evaluate(self.engine, self.valid_batches, self.cfg.training.eval_iters, self.dp)
-        logger.info(format_eval_line(self.progress.iteration, loss))
-        self.writer.write_eval(loss, self.progress.iteration)
+        logger.info(format_eval_line(f"iteration {it}", loss))
+        self._write_evaluation("validation", loss)
+        self._last.valid_loss, self._last.valid_at = loss, it
+
+    def _final_evaluation(self) -> None:
+        """Megatron's end of a run: validation (reusing this iteration's periodic one), then
+        the test split; skipped where --eval-iters is 0 or the split has no samples."""
+        iters, it = self.cfg.training.eval_iters, self.progress.iteration
+        if iters == 0:
+            return
+        valid = self._last.valid_loss
+        if valid is None or self._last.valid_at != it:
+            valid = evaluate(self.engine, self.valid_batches, iters, self.dp)
+            self._last.valid_loss, self._last.valid_at = valid, it
+            self._write_evaluation("validation", valid)
+        logger.info(format_eval_line(f"iteration {it} on validation set", valid))
+        if self.test_batches is not None:
+            loss = evaluate(self.engine, self.test_batches, iters, self.dp)
+            logger.info(format_eval_line(f"iteration {it} on test set", loss))
+            self._write_evaluation("test", loss)
+
+    def _write_evaluation(self, split: str, loss: float) -> None:
+        """``lm loss validation`` (or ``test``) and its perplexity, Megatron's names; an
+        evaluation-only run (--skip-train) leaves the training curves alone, as Megatron's."""
+        if not self.cfg.training.skip_train:
+            self.writer.write({f"lm loss {split}": loss, f"lm loss {split} ppl": perplexity(loss)},
+                              self._point())

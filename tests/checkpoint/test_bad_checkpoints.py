@@ -25,7 +25,8 @@ def _tree(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ckpt") / "run"
-    assert pretrain_gpt.main(train_argv("gpt2", 3, "--save", str(root))) == 0
+    assert pretrain_gpt.main(train_argv("gpt2", 5, "--save", str(root), "--exit-interval",
+                                        "3")) == 0  # a run of 5 stopped at 3: resumes go on
     assert (root / "latest").read_text().strip() == "3"
     return root
 
@@ -132,7 +133,7 @@ def test_saving_removes_what_killed_saves_left(checkpoint, tmp_path):
     (root / "iter_0000006.tmp").mkdir()  # a save of another iteration, killed
     (root / "iter_0000004").mkdir()  # renamed, but its save never reached 'latest'
     assert pretrain_gpt.main(train_argv("gpt2", 4, "--load", str(root), "--save",
-                                        str(root))) == 0
+                                        str(root), "--override-opt-param-scheduler")) == 0
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", "iter_0000004", "latest"]
     assert (root / "iter_0000004" / "meta.json").exists()
     assert (root / "latest").read_text().strip() == "4"
@@ -188,4 +189,5 @@ def test_checkpoints_with_numpy_rng_state_still_load(checkpoint, tmp_path):
     from_plain = np.random.get_state()
     assert from_legacy[0] == from_plain[0] and (from_legacy[1] == from_plain[1]).all()
     assert from_legacy[2:] == from_plain[2:]
-    assert pretrain_gpt.main(train_argv("gpt2", 4, "--load", str(root))) == 0
+    assert pretrain_gpt.main(train_argv("gpt2", 4, "--load", str(root),
+                                        "--override-opt-param-scheduler")) == 0

@@ -21,6 +21,7 @@ def _argv(*extra: str, dropout: str = "0.1") -> list[str]:
                       dropout, *extra)
 
 
+STOP_AT_6 = ("--exit-interval", "6")  # step 6 of the same 12-iteration schedule
 ZERO3_TP2_DP2 = ("--tensor-model-parallel-size", "2", "--zero-stage", "3")
 ZERO1_DP4 = ("--zero-stage", "1")
 
@@ -50,14 +51,14 @@ def test_resume_is_bitwise_exact(tmp_path, layout, world):
 def _save_at_5(directory: str) -> list[float]:
     """Train 6 steps at (2, 2, 2) ZeRO-1; separately save a checkpoint at step 5."""
     train(_argv(*LAYOUT_222, "--save", directory, "--exit-interval", "5", dropout="0"))
-    return train(_argv(*LAYOUT_222, "--train-iters", "6", dropout="0")).losses
+    return train(_argv(*LAYOUT_222, *STOP_AT_6, dropout="0")).losses
 
 
 def _first_loss_after_load(directory: str, tp: int, pp: int) -> list[float]:
     layout = ("--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
               str(pp), "--pp-partition-method", "uniform")
     return [train(_argv(*layout, "--zero-stage", str(zero), "--load", directory,
-                        "--train-iters", "6", dropout="0")).losses
+                        *STOP_AT_6, dropout="0")).losses
             for zero in (0, 1)]
 
 
@@ -81,7 +82,7 @@ def test_reshard_on_load(saved, tp, pp, dp):
 
 def test_reshard_into_one_process(saved):
     directory, expected = saved
-    result = train_single(_argv("--load", directory, "--train-iters", "6", dropout="0"))
+    result = train_single(_argv("--load", directory, *STOP_AT_6, dropout="0"))
     assert result.losses[0] == pytest.approx(expected, rel=1e-6)
 
 
@@ -90,8 +91,9 @@ def _save_then_load(directory: str, saving: tuple[str, ...], loading: tuple[str,
     (micro-batch 1, so the ramp divides by DP 4 too)."""
     saving, loading = (*saving, "--micro-batch-size", "1"), (*loading, "--micro-batch-size", "1")
     train(_argv(*saving, "--save", directory, "--exit-interval", "5", dropout="0"))
-    expected = train(_argv(*saving, "--train-iters", "6", dropout="0")).losses[5]
-    loaded = train(_argv(*loading, "--load", directory, "--train-iters", "6", dropout="0"))
+    expected = train(_argv(*saving, *STOP_AT_6, dropout="0")).losses[5]
+    loaded = train(_argv(*loading, "--load", directory, *STOP_AT_6,
+                         dropout="0"))
     return expected, loaded.losses
 
 

@@ -21,10 +21,10 @@ from tests.helpers.tiny import train_argv
 
 @pytest.fixture(scope="module")
 def series(tmp_path_factory) -> Path:
-    """Checkpoints at iterations 1, 2 and 3; ``latest`` names 3."""
+    """Checkpoints at iterations 1, 2 and 3 of a run of 4; ``latest`` names 3."""
     root = tmp_path_factory.mktemp("series") / "run"
-    assert pretrain_gpt.main(train_argv("gpt2", 3, "--save", str(root),
-                                        "--save-interval", "1")) == 0
+    assert pretrain_gpt.main(train_argv("gpt2", 4, "--save", str(root),
+                                        "--save-interval", "1", "--exit-interval", "3")) == 0
     assert (root / "latest").read_text().strip() == "3"
     return root
 
@@ -123,6 +123,16 @@ def test_a_new_series_never_prunes_the_old_one(copy):
     assert {it: _tree(copy / f"iter_{it:07d}") for it in (1, 3)} == old
     new = _meta(copy, 4)["series"]
     assert new and new != series_a and _meta(copy, 1)["series"] == series_a
+
+
+def test_a_new_series_saving_at_the_old_latest_iteration_is_saved(copy):
+    """The old series' latest is iteration 3; a new series ending at 3 must write its own
+    checkpoint there, not take the old one for its own and save nothing."""
+    series_a = _meta(copy, 3)["series"]
+    before = _tree(copy / "iter_0000003")
+    assert pretrain_gpt.main(train_argv("gpt2", 3, "--save", str(copy), "--new-series")) == 0
+    assert _meta(copy, 3)["series"] not in ("", series_a)
+    assert _tree(copy / "iter_0000003") != before
 
 
 def test_a_resumed_run_prunes_its_own_series_including_older_checkpoints(copy):

@@ -41,7 +41,8 @@ INT64_MAX = 2**63 - 1
 def save_valid_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh tiny checkpoint at iteration 3 (for a module-scoped fixture)."""
     root = tmp_path_factory.mktemp("fuzz-ckpt") / "run"
-    assert pretrain_gpt.main(train_argv("gpt2", SAVED_ITERATION, "--save", str(root))) == 0
+    assert pretrain_gpt.main(train_argv("gpt2", RESUME_ITERS, "--save", str(root),
+                                        "--exit-interval", str(SAVED_ITERATION))) == 0
     assert (root / "latest").read_text().strip() == str(SAVED_ITERATION)
     return root
 

@@ -113,3 +113,22 @@ def assert_each_variant(per_rank: list[list[RunResult]], reference: RunResult,
             assert_same_run(merged, reference, tol)
         except AssertionError as err:
             raise AssertionError(f"{label}: {err}") from err
+
+
+def learning_rates(argv: list[str]) -> list[float]:
+    """The learning rate each iteration of ``pretrain_gpt.py argv`` applied, in one process
+    (logging re-attached to this test's output, as ``pretrain_gpt.main`` does)."""
+    from megatron3d import device as devices
+    from megatron3d.log import setup_logging
+
+    setup_logging(0, log_rank=0)
+    devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
+    try:
+        trainer, _ = build(argv)
+        used: list[float] = []
+        trainer.on_step = lambda it, result: used.append(
+            trainer.optimizer.inner.param_groups[0]["lr"])
+        trainer.run()
+    finally:
+        torch.distributed.destroy_process_group()
+    return used

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 
@@ -73,9 +74,14 @@ def opt(lr: float | None = MAX) -> OptimizerConfig:
     return OptimizerConfig(lr=lr, min_lr=MIN)
 
 
-def test_iteration_flags_convert_with_final_global_batch():
+def _fixed(global_batch_size: int) -> Callable[[int], int]:
+    """Samples consumed by n iterations without rampup."""
+    return lambda iters: iters * global_batch_size
+
+
+def test_iteration_flags_convert_with_the_global_batch():
     cfg = LRScheduleConfig(lr_decay_style="cosine", lr_warmup_iters=10, lr_decay_iters=100)
-    lr = LRSchedule.from_config(opt(), cfg, train_samples=5000, final_global_batch_size=8,
+    lr = LRSchedule.from_config(opt(), cfg, train_samples=5000, samples_for_iters=_fixed(8),
                                 iteration_based=True)
     assert lr == LRSchedule(max_lr=MAX, min_lr=MIN, warmup_samples=80, decay_samples=800,
                             style="cosine")
@@ -84,9 +90,9 @@ def test_iteration_flags_convert_with_final_global_batch():
 
 def test_decay_defaults_to_the_whole_run():
     it = LRSchedule.from_config(opt(), LRScheduleConfig(), train_samples=4096,
-                                final_global_batch_size=32, iteration_based=True)
+                                samples_for_iters=_fixed(32), iteration_based=True)
     samples = LRSchedule.from_config(opt(), LRScheduleConfig(lr_warmup_samples=64),
-                                     train_samples=4096, final_global_batch_size=32,
+                                     train_samples=4096, samples_for_iters=_fixed(32),
                                      iteration_based=False)
     assert (it.warmup_samples, it.decay_samples) == (0, 4096)
     assert (samples.warmup_samples, samples.decay_samples) == (64, 4096)
@@ -94,12 +100,12 @@ def test_decay_defaults_to_the_whole_run():
 
 def test_warmup_fraction_of_decay():
     cfg = LRScheduleConfig(lr_warmup_fraction=0.01, lr_decay_samples=300_000)
-    lr = LRSchedule.from_config(opt(), cfg, train_samples=10**6, final_global_batch_size=512,
+    lr = LRSchedule.from_config(opt(), cfg, train_samples=10**6, samples_for_iters=_fixed(512),
                                 iteration_based=False)
     assert lr.warmup_samples == pytest.approx(3000)
     assert lr.decay_samples == 300_000
     iters = LRScheduleConfig(lr_warmup_fraction=0.1, lr_decay_iters=50)
-    lr = LRSchedule.from_config(opt(), iters, train_samples=10**6, final_global_batch_size=16,
+    lr = LRSchedule.from_config(opt(), iters, train_samples=10**6, samples_for_iters=_fixed(16),
                                 iteration_based=True)
     assert (lr.warmup_samples, lr.decay_samples) == (pytest.approx(80), 800)
 
@@ -113,13 +119,13 @@ def test_warmup_fraction_of_decay():
 ])
 def test_flags_of_the_wrong_unit_are_rejected(cfg, iteration_based, flag):
     with pytest.raises(ConfigError, match=flag):
-        LRSchedule.from_config(opt(), cfg, train_samples=1000, final_global_batch_size=8,
+        LRSchedule.from_config(opt(), cfg, train_samples=1000, samples_for_iters=_fixed(8),
                                iteration_based=iteration_based)
 
 
 def test_missing_lr():
     with pytest.raises(ConfigError, match="--lr is required"):
-        LRSchedule.from_config(opt(None), LRScheduleConfig(), 100, 8, True)
+        LRSchedule.from_config(opt(None), LRScheduleConfig(), 100, _fixed(8), True)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

@@ -10,6 +10,7 @@ import pytest
 
 from megatron3d.errors import ConfigError
 from megatron3d.pipeline.partition import (
+    TiedCopy,
     format_partition_table,
     layer_weights,
     partition,
@@ -163,14 +164,30 @@ def test_bad_methods(method: str, message: str) -> None:
         layer_weights(gpt_names(2), [1] * 6, method)
 
 
-def test_partition_table() -> None:
-    names = gpt_names(70)
+LABELS = (["embedding", "embedding norm"] + [f"transformer layer {i}" for i in range(1, 71)]
+          + ["final norm", "output layer"])
+
+
+def test_partition_table_names_layers_as_users_count_them() -> None:
     counts = [100, 2] + [10] * 70 + [2, 100]
-    bounds = partition_layers(names, counts, 12, BLOOM_METHOD)
-    lines = format_partition_table(bounds, names, counts).splitlines()
-    assert len(lines) == 13
-    assert lines[1].split()[:3] == ["0", "0-6", "152"]
-    assert lines[1].endswith("InputEmbedding, InputNorm, TransformerLayer x5")
-    assert lines[-1].endswith("TransformerLayer x5, FinalNorm, OutputEmbedding")
-    single = format_partition_table([0, 1], ["InputEmbedding"], [1234567]).splitlines()[1]
-    assert single.split() == ["0", "0", "1,234,567", "InputEmbedding"]
+    bounds = partition_layers(gpt_names(70), counts, 12, BLOOM_METHOD)
+    lines = format_partition_table(bounds, LABELS, counts).splitlines()
+    assert len(lines) == 14
+    assert lines[1] == "    0              152  embedding, embedding norm, transformer layers 1-5"
+    assert lines[-2].endswith("transformer layers 66-70, final norm, output layer")
+    assert lines[-1].split() == ["total", "904", "unique", "parameters"]
+    single = format_partition_table([0, 1], ["transformer layer 3"], [1234567]).splitlines()[1]
+    assert single.split() == ["0", "1,234,567", "transformer", "layer", "3"]
+
+
+def test_partition_table_counts_a_tied_weight_once() -> None:
+    counts = [100, 2] + [10] * 70 + [2, 100]
+    tied = [TiedCopy(layer=73, owner=0, numel=100)]
+    one = format_partition_table([0, 74], LABELS, counts, tied).splitlines()
+    assert one[1].split()[:2] == ["0", "804"]
+    assert one[-1].split()[:2] == ["total", "804"]
+    two = format_partition_table([0, 37, 74], LABELS, counts, tied).splitlines()
+    assert two[1].split()[:2] == ["0", "452"]
+    assert two[2].split()[:2] == ["1", "352"]
+    assert two[2].endswith("output layer (+ 100 tied copy of embedding)")
+    assert two[-1].split()[:2] == ["total", "804"]

@@ -20,6 +20,7 @@ from megatron3d.training.loop import Progress
 from tests.helpers.dist import run_distributed
 from tests.helpers.faults import CorruptAfterReduce
 from tests.helpers.host_sync import no_host_sync
+from tests.helpers.log_lines import LogLines
 from tests.helpers.runs import build
 from tests.helpers.tiny import train_argv
 
@@ -33,15 +34,6 @@ CASES = {
     "fp32-tp2-dp2-zero1": ((), ("--tensor-model-parallel-size", "2", "--zero-stage", "1"), 3),
 }
 COUNTS = re.compile(r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+)")
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _snapshot(trainer) -> dict[str, torch.Tensor]:
@@ -58,9 +50,9 @@ def _poisoned_run(precision: tuple[str, ...], layout: tuple[str, ...], bad_rank:
     shard = trainer.optimizer.shard
     trainer.grad_sync = CorruptAfterReduce(trainer.grad_sync, lambda: shard.counted_grads()[0],
                                            BAD_STEP, state.world_rank == bad_rank, float("nan"))
-    lines = _Lines()
-    logging.getLogger("megatron3d.training.loop").addHandler(lines)
-    logging.getLogger("megatron3d.training.loop").setLevel(logging.INFO)
+    lines = LogLines()
+    logging.getLogger("megatron3d.training.reporting").addHandler(lines)
+    logging.getLogger("megatron3d.training.reporting").setLevel(logging.INFO)
     checked = "--check-for-nan-in-loss-and-grad" in flags  # which may sync with the host
     seen: dict = {"losses": [], "norms": [], "skipped": [], "nan": []}
     no_sync = contextlib.ExitStack()

@@ -24,7 +24,7 @@ LINE = re.compile(
     r"^ iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| consumed tokens: +(\d+) \| "
     r"elapsed time per iteration \(s\): [\d.]+ \| learning rate: (\S+) \| "
     r"global batch size: +(\d+) \| lm loss: (\d\.\d{6}E[+-]\d\d) \| loss scale: (\S+) \| "
-    r"grad norm: [\d.]+ \| num zeros: [\d.]+ \| number of skipped iterations: +(\d+) \| "
+    r"grad norm: [\d.]+ \| number of skipped iterations: +(\d+) \| "
     r"number of nan iterations: +(\d+) \| samples per second: [\d.]+ \| TFLOPs: [\d.]+ \|$")
 
 

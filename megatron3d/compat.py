@@ -1,0 +1,261 @@
+"""Megatron-LM and Megatron-DeepSpeed flags that megatron3d takes under another name, ignores
+with a notice, or refuses with the replacement: one table, so that a launch script written for
+Megatron runs after at most one round of edits, and every answer is a deliberate one.
+
+``translate`` rewrites a command line before argparse sees it: an alias becomes the flags it
+stands for, a harmless flag is dropped with a notice saying what happens instead, and a refused
+or unknown flag becomes a problem. All problems of a command line are reported together. The
+README's "Megatron flags" table is ``markdown_table()`` (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Action = Literal["alias", "notice", "refuse"]
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One foreign flag. ``text`` says what megatron3d does instead (alias, notice) or why it
+    is refused and what to use. ``nargs``: values it takes. ``becomes``: an alias's flags,
+    ``{}`` standing for its value. ``only``: a notice's harmless values; any other value is
+    refused with ``text``."""
+
+    name: str
+    action: Action
+    text: str
+    nargs: int = 0
+    becomes: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()
+
+
+def _alias(name: str, becomes: str, text: str = "", nargs: int = 0) -> CompatFlag:
+    return CompatFlag(name, "alias", text, nargs, tuple(becomes.split()))
+
+
+def _notice(names: str, text: str, nargs: int = 0, only: str = "") -> list[CompatFlag]:
+    return [CompatFlag(n, "notice", text, nargs, only=tuple(only.split())) for n in names.split()]
+
+
+def _refuse(names: str, text: str, nargs: int = 0) -> list[CompatFlag]:
+    return [CompatFlag(n, "refuse", text, nargs) for n in names.split()]
+
+
+_FULL_RECOMPUTE = ("megatron3d recomputes each whole transformer layer in backward (selective "
+                   "recompute is not implemented: less memory than selective, about a third "
+                   "more compute)")
+_NO_FUSION = "megatron3d has no hand-fused kernels to switch (torch kernels, apex when found)"
+_ALWAYS_TB = "always written to TensorBoard when --tensorboard-dir is given"
+_LAYOUT_FREE = "checkpoints are already layout-independent: any layout loads any other"
+_DEEPSPEED = ("megatron3d runs its own ZeRO, not DeepSpeed: --zero-stage 0/1/3 carries the "
+              "stage, --micro-batch-size and --global-batch-size the batch sizes, --bf16/--fp16 "
+              "the precision and --clip-grad the clipping; drop the DeepSpeed flags")
+
+TABLE: tuple[CompatFlag, ...] = (
+    _alias("--use-distributed-optimizer", "--zero-stage 1",
+           "Megatron's distributed optimizer shards the optimizer state over data-parallel "
+           "ranks: ZeRO-1"),
+    _alias("--recompute-activations", "--checkpoint-activations", _FULL_RECOMPUTE),
+    _alias("--recompute-granularity", "--checkpoint-activations", _FULL_RECOMPUTE, nargs=1),
+    _alias("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
+    _alias("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"),
+    _alias("--override-lr-scheduler", "--override-opt-param-scheduler"),
+    _alias("--use-checkpoint-lr-scheduler", "--use-checkpoint-opt-param-scheduler"),
+    _alias("--use-rotary-position-embeddings", "--position-embedding-type rope"),
+    _alias("--encoder-seq-length", "--seq-length {}", nargs=1),
+    _alias("--zero-reduce-bucket-size", "--reduce-bucket-size {}", nargs=1),
+    *_notice("--recompute-method --recompute-num-layers --checkpoint-num-layers",
+             "each transformer layer is recomputed on its own (Megatron's uniform method with "
+             "one layer)", nargs=1),
+    *_notice("--overlap-grad-reduce", "always on: gradient buckets are reduced while backward "
+             "runs"),
+    *_notice("--distributed-backend", "NCCL on GPUs and gloo on CPU are picked by the device",
+             nargs=1),
+    *_notice("--DDP-impl", "data parallelism is megatron3d's own: bucketed gradient reduction "
+             "overlapped with backward", nargs=1),
+    *_notice("--use-flash-attn", "attention runs through torch's scaled_dot_product_attention, "
+             "which picks flash kernels where the GPU has them"),
+    *_notice("--no-masked-softmax-fusion --masked-softmax-fusion --no-bias-gelu-fusion "
+             "--bias-gelu-fusion --no-bias-dropout-fusion --bias-dropout-fusion "
+             "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-rope-fusion "
+             "--no-async-tensor-model-parallel-allreduce "
+             "--async-tensor-model-parallel-allreduce --abort-on-unmet-fused-kernel-constraints",
+             _NO_FUSION),
+    *_notice("--num-workers", "batches are read in the training process from memory-mapped "
+             ".bin files", nargs=1),
+    *_notice("--dataloader-type", "samples are read in the order of a shuffled index, as "
+             "Megatron's single loader does", nargs=1, only="single"),
+    *_notice("--log-timers-to-tensorboard --log-batch-size-to-tensorboard "
+             "--log-validation-ppl-to-tensorboard --log-memory-to-tensorboard "
+             "--log-world-size-to-tensorboard --log-learning-rate-to-tensorboard "
+             "--log-loss-scale-to-tensorboard --log-throughput", _ALWAYS_TB),
+    *_notice("--tensorboard-queue-size", "TensorBoard's own queue is used; events are flushed "
+             "at every evaluation and at exit", nargs=1),
+    *_notice("--timing-log-level", "the log line reports the time per iteration; there are no "
+             "per-phase timers", nargs=1),
+    *_notice("--exit-signal-handler", "SIGTERM and SIGUSR1 always save and stop a run that has "
+             "--save"),
+    *_notice("--use-mcore-models --use-legacy-models", "there is one model implementation"),
+    *_notice("--transformer-impl", "megatron3d's own transformer layers (no Transformer "
+             "Engine)", nargs=1),
+    *_notice("--use-cpu-initialization", "weights are always drawn from the seed as whole "
+             "tensors and sliced, whatever the layout"),
+    *_notice("--attention-softmax-in-fp32", "the softmax precision is SDPA's (fp32 accumulation "
+             "in its fused GPU kernels)"),
+    *_notice("--apply-query-key-layer-scaling --no-query-key-layer-scaling",
+             "a rescaling that only guards fp16 softmax overflow; attention scales by "
+             "1/sqrt(head dim) inside SDPA"),
+    *_notice("--sync-tp-duplicated-parameters", "tensor-parallel replicas are checked "
+             "identical every --check-replicas-interval steps"),
+    *_notice("--use-dist-ckpt --auto-detect-ckpt-format", _LAYOUT_FREE),
+    *_notice("--ckpt-format", _LAYOUT_FREE, nargs=1),
+    *_notice("--local_rank --local-rank", "the rank comes from the launcher's LOCAL_RANK",
+             nargs=1),
+    *_notice("--deepspeed-activation-checkpointing", "activation checkpointing is megatron3d's "
+             "own (--checkpoint-activations)"),
+    *_notice("--contigious-checkpointing --synchronize-each-layer --profile-backward",
+             "a DeepSpeed activation-checkpointing option; megatron3d's has no such setting"),
+    *_notice("--mmap-warmup --no-mmap-bin-files", "the .bin files are memory-mapped and read "
+             "as batches need them"),
+    *_notice("--fp16-lm-cross-entropy", "the cross entropy always runs in fp32"),
+    *_notice("--no-position-embedding", "positions follow --position-embedding-type (rope and "
+             "alibi use no learned position table)"),
+    *_notice("--optimizer", "AdamW, which Megatron's 'adam' is", nargs=1, only="adam"),
+    *_notice("--context-parallel-size --expert-model-parallel-size",
+             "context and expert parallelism are not supported; only size 1 is", nargs=1,
+             only="1"),
+    *_notice("--rotary-percent", "rotary embeddings cover the whole head; only 1.0 is "
+             "supported", nargs=1, only="1 1.0"),
+    *_notice("--lr-warmup-init", "warmup starts from 0; only 0 is supported", nargs=1,
+             only="0 0.0"),
+    *_notice("--weight-decay-incr-style", "the weight decay is constant; only 'constant' is "
+             "supported", nargs=1, only="constant"),
+    *_refuse("--deepspeed --deepspeed_mpi --zero-contigious-gradients --zero-reduce-scatter "
+             "--cpu-optimizer --cpu_torch_adam --use-pin-memory", _DEEPSPEED),
+    *_refuse("--deepspeed_config --deepspeed-config --zero-allgather-bucket-size "
+             "--remote-device", _DEEPSPEED, nargs=1),
+    *_refuse("--pad-vocab-size-to", "the vocabulary is padded to a multiple of "
+             "--make-vocab-size-divisible-by x TP (BLOOM's 250,680 tokens with 128 at TP 4 give "
+             "250,880): use --make-vocab-size-divisible-by", nargs=1),
+    *_refuse("--num-layers-per-virtual-pipeline-stage --virtual-pipeline-model-parallel-size",
+             "the interleaved pipeline schedule is not implemented yet: drop it to run 1F1B",
+             nargs=1),
+    *_refuse("--num-experts", "mixture-of-experts models are not supported", nargs=1),
+    *_refuse("--no-save-optim --no-save-rng", "checkpoints always hold the optimizer and RNG "
+             "states so that a resume is exact; tools/checkpoint/consolidate.py writes the "
+             "weights alone"),
+    *_refuse("--async-save", "checkpoints are saved synchronously; drop the flag"),
+    *_refuse("--fp32-residual-connection --apply-layernorm-1p --init-method-xavier-uniform "
+             "--reset-position-ids --reset-attention-mask --data-parallel-random-init "
+             "--checkpoint-in-cpu --partition-activations", "not supported by megatron3d: "
+             "drop the flag (for activation memory, --sequence-parallel keeps activations "
+             "sharded over the tensor-parallel ranks)"),
+    *_refuse("--train-data-path --valid-data-path --test-data-path", "separate per-split "
+             "datasets are not supported: give one --data-path (or a blend) and --split",
+             nargs=1),
+    *_refuse("--world-size --rank", "the launcher's WORLD_SIZE and RANK set them", nargs=1),
+)
+BY_NAME: Mapping[str, CompatFlag] = {flag.name: flag for flag in TABLE}
+
+VALUE_SPELLINGS: Mapping[str, Mapping[str, str]] = {
+    "--normalization": {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"},
+}
+"""Megatron's spelling of values of flags megatron3d shares, taken silently."""
+
+
+@dataclass
+class Translation:
+    """What ``translate`` made of a command line."""
+
+    argv: list[str] = field(default_factory=list)  # for argparse: megatron3d flags only
+    notices: list[str] = field(default_factory=list)  # one line per alias or ignored flag
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (flag as given, why)
+
+
+def translate(argv: Sequence[str], known: Collection[str]) -> Translation:
+    """Rewrite ``argv`` through the table; ``known`` are megatron3d's own flags."""
+    out = Translation()
+    args, i = list(argv), 0
+    aliased: dict[str, str] = {}  # a flag an alias produced -> the alias
+    while i < len(args):
+        word = args[i]
+        name, eq, inline = word.partition("=")
+        i += 1
+        if not word.startswith("--") or name in known:
+            out.argv.append(_respell(out.argv, word))
+            continue
+        flag = BY_NAME.get(name)
+        nargs = flag.nargs if flag else _unknown_nargs(args, i, eq)
+        values = [inline] if eq else args[i:i + nargs]
+        i += 0 if eq else len(values)
+        shown = f"{name}={values[0]}" if len(values) == 1 else " ".join([name, *values])
+        if flag is None:
+            out.problems.append((shown, _unknown(name, known)))
+        elif flag.action == "refuse" or (flag.only and values and values[0] not in flag.only):
+            out.problems.append((shown, flag.text))
+        elif flag.action == "notice":
+            out.notices.append(f"{shown}: ignored, {flag.text}")
+        else:
+            becomes = [w.replace("{}", values[0]) if values else w for w in flag.becomes]
+            out.argv += becomes
+            aliased[becomes[0]] = shown
+            why = f" ({flag.text})" if flag.text else ""
+            out.notices.append(f"{shown}: read as {' '.join(becomes)}{why}")
+    out.problems += _conflicts(out.argv, aliased)
+    return out
+
+
+def _conflicts(argv: list[str], aliased: Mapping[str, str]) -> list[tuple[str, str]]:
+    """An alias and the flag it stands for, both given: which one was meant is unclear."""
+    given = [w.partition("=")[0] for w in argv]
+    return [(alias, f"it means {ours}, which is given as well: keep one of the two")
+            for ours, alias in aliased.items() if given.count(ours) > 1]
+
+
+def _respell(previous: list[str], word: str) -> str:
+    """A value in Megatron's spelling (``--normalization RMSNorm``) -> megatron3d's."""
+    flag_name, _, inline = word.partition("=")
+    if inline and flag_name in VALUE_SPELLINGS:
+        return f"{flag_name}={VALUE_SPELLINGS[flag_name].get(inline, inline)}"
+    spellings = VALUE_SPELLINGS.get(previous[-1], {}) if previous else {}
+    return spellings.get(word, word)
+
+
+def _unknown_nargs(args: list[str], start: int, inline: str) -> int:
+    """An unknown flag's values: the words up to the next flag (none after ``--x=v``)."""
+    if inline:
+        return 0
+    end = start
+    while end < len(args) and not args[end].startswith("--"):
+        end += 1
+    return end - start
+
+
+def _unknown(name: str, known: Collection[str]) -> str:
+    """No fuzzy guess unless the flag is a near-certain typo of one of ours."""
+    close = difflib.get_close_matches(name, [k for k in known if k.startswith("--")], n=1,
+                                      cutoff=0.85)
+    if close:
+        return f"unknown flag, did you mean {close[0]}?"
+    return ("not a megatron3d flag, nor a Megatron flag it knows (README: Megatron flags): "
+            "not supported")
+
+
+def markdown_table() -> str:
+    """The README's table: every foreign flag and what megatron3d does with it."""
+    rows = ["| Megatron flag | megatron3d |", "| --- | --- |"]
+    verbs = {"alias": "same as", "notice": "accepted, ignored:", "refuse": "refused:"}
+    for flag in TABLE:
+        value = " VALUE" if flag.nargs else ""
+        what = " ".join(flag.becomes) if flag.action == "alias" else ""
+        detail = "; ".join(x for x in (what, flag.text) if x)
+        only = f" (only {', '.join(flag.only)})" if flag.only else ""
+        rows.append(f"| `{flag.name}{value}`{only} | {verbs[flag.action]} {detail} |")
+    for name, spellings in VALUE_SPELLINGS.items():
+        pairs = ", ".join(f"`{a}` = `{b}`" for a, b in spellings.items())
+        rows.append(f"| `{name}` values | Megatron's spelling accepted: {pairs} |")
+    return "\n".join(rows)
