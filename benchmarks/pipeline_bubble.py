@@ -1,18 +1,21 @@
-"""How idle is each pipeline stage under 1F1B, against the bubble theory predicts?
+"""How idle is each pipeline stage under 1F1B and interleaved 1F1B, against the theory?
 
 With ``p`` stages, ``m`` micro-batches, backward = 2 x forward and free communication, 1F1B
-leaves every stage idle for (p - 1) / (m + p - 1) of the step (Narayanan et al. 2021); the
-schedule simulator (``megatron3d.pipeline.simulate``, forward_cost=1, backward_cost=2) must
-agree with that formula, and both are printed next to the measurement.
+leaves every stage idle for (p - 1) / (m + p - 1) of the step (Narayanan et al. 2021), and
+interleaving with ``v`` chunks per stage for (p - 1) / (v m + p - 1); the schedule simulator
+(``megatron3d.pipeline.simulate``, forward_cost=1, backward_cost=2) must agree with those
+formulas, and both are printed next to the measurement.
 
-For each PP in ``--pp`` and m in {PP, 4 x PP}, PP gloo processes (one thread each) build the
-real trainer (``build_trainer``) for a small fp32 GPT with ``--pipeline-model-parallel-size
-PP`` and ``Trainer.run`` it as pretrain_gpt.py does (``train_step`` per iteration), timing
-the steps after a warm-up. Stages get
-equal work: 2 blocks each, split by ``--pp-partition-method type:TransformerLayer`` (uniform
-over the blocks; the small embedding joins the first stage, final norm and LM head the last).
-Plain ``uniform`` would weigh the embedding, norm and head like blocks and give PP=4 stages
-of 1 to 3 blocks.
+For each PP in ``--pp``, m in {PP, 4 x PP} and v in {1} + ``--virtual``, PP gloo processes
+(one thread each) build the real trainer (``build_trainer``) for a small fp32 GPT with
+``--pipeline-model-parallel-size PP`` (and ``--virtual-pipeline-model-parallel-size v``) and
+``Trainer.run`` it as pretrain_gpt.py does (``train_step`` per iteration), timing the steps
+after a warm-up. Stages get equal work: 2 blocks each, split by ``--pp-partition-method
+type:TransformerLayer`` (uniform over the blocks; the small embedding joins the first stage,
+final norm and LM head the last). Plain ``uniform`` would weigh the embedding, norm and head
+like blocks and give PP=4 stages of 1 to 3 blocks. The summary checks the interleaved bubble
+against its theory plus the overhead measured for 1F1B (time the theory does not see: p2p,
+imbalance, core sharing) and against 1F1B's.
 
 Timing: the built engine is switched to a subclass whose ``_forward``/``_backward`` record
 (kind, micro-batch, start, end) with ``time.perf_counter`` around the real method, and whose
@@ -57,6 +60,8 @@ from megatron3d import device as devices  # noqa: E402
 from megatron3d.arguments import parse_args  # noqa: E402
 from megatron3d.mpu.state import ParallelState  # noqa: E402
 from megatron3d.pipeline.engine import Batch, PipelineEngine  # noqa: E402
+from megatron3d.pipeline.instructions import Backward, Forward  # noqa: E402
+from megatron3d.pipeline.interleaved import interleaved_1f1b  # noqa: E402
 from megatron3d.pipeline.schedule import schedule_for  # noqa: E402
 from megatron3d.pipeline.simulate import simulate  # noqa: E402
 from megatron3d.training.build import build_trainer  # noqa: E402
@@ -96,41 +101,48 @@ class TimedEngine(PipelineEngine):
                                 "events": [(k, mb, s - t0, e - t0, c)
                                            for k, mb, s, e, c in self.events]})
 
-    def _forward(self, mb: int, batch: Batch, run: Any, weight: float) -> None:
+    def _forward(self, step: Forward, batch: Batch, run: Any, weight: float) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
-        super()._forward(mb, batch, run, weight)
-        self.events.append(("F", mb, start, time.perf_counter(), time.thread_time() - cpu))
+        super()._forward(step, batch, run, weight)
+        self.events.append(("F", step.micro_batch, start, time.perf_counter(),
+                            time.thread_time() - cpu))
 
-    def _backward(self, mb: int, run: Any) -> None:
+    def _backward(self, step: Backward, run: Any) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
-        super()._backward(mb, run)
-        self.events.append(("B", mb, start, time.perf_counter(), time.thread_time() - cpu))
+        super()._backward(step, run)
+        self.events.append(("B", step.micro_batch, start, time.perf_counter(),
+                            time.thread_time() - cpu))
 
 
-def _argv(a: argparse.Namespace, pp: int, m: int) -> list[str]:
+def _argv(a: argparse.Namespace, pp: int, m: int, v: int) -> list[str]:
     return ["--num-layers", str(a.blocks_per_stage * pp), "--hidden-size", str(a.hidden),
             "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
             "--micro-batch-size", str(a.micro_batch), "--global-batch-size",
             str(a.micro_batch * m), "--train-iters", str(a.warmup + a.steps), "--lr", "1e-4",
             "--mock-data", "--vocab-size", str(a.vocab), "--hidden-dropout", "0",
             "--attention-dropout", "0", "--pipeline-model-parallel-size", str(pp),
-            "--pp-partition-method", "type:TransformerLayer"]
+            "--pp-partition-method", "type:TransformerLayer", "--eval-iters", "0",
+            "--virtual-pipeline-model-parallel-size", str(v)]
 
 
-def _measure(a: argparse.Namespace, pp: int) -> tuple[str, list[str], dict[int, list[Trace]]]:
-    """One stage: the machine, its layers, and its traces of the timed steps for each m."""
-    state, traces = ParallelState.build(1, pp), {}
+def _measure(a: argparse.Namespace,
+             pp: int) -> tuple[str, list[str], dict[tuple[int, int], list[Trace]]]:
+    """One stage: the machine, its layers (1F1B), and its traces of the timed steps for each
+    (m, v)."""
+    state, traces, layers = ParallelState.build(1, pp), {}, []
     for m in (pp, 4 * pp):
-        cfg = parse_args(_argv(a, pp, m))
-        validate(cfg, pp)
-        trainer = build_trainer(cfg, state, torch.device("cpu"))
-        engine = trainer.engine
-        engine.__class__ = TimedEngine  # instrument the engine build_trainer made
-        engine.traces = []
-        trainer.on_step = lambda it, _, engine=engine: engine.end_step(keep=it > a.warmup)
-        trainer.run()  # what pretrain_gpt.py runs: train_step per iteration
-        traces[m] = engine.traces
-    layers = [type(layer).__name__ for layer in engine.stage.layers]
+        for v in (1, *a.virtual):
+            cfg = parse_args(_argv(a, pp, m, v))
+            validate(cfg, pp)
+            trainer = build_trainer(cfg, state, torch.device("cpu"))
+            engine = trainer.engine
+            engine.__class__ = TimedEngine  # instrument the engine build_trainer made
+            engine.traces = []
+            trainer.on_step = lambda it, _, engine=engine: engine.end_step(keep=it > a.warmup)
+            trainer.run()  # what pretrain_gpt.py runs: train_step per iteration
+            traces[m, v] = engine.traces
+            if v == 1:
+                layers = [type(layer).__name__ for layer in engine.stage.layers]
     return devices.describe(torch.device("cpu")), layers, traces
 
 
@@ -177,15 +189,16 @@ def _stats(per_rank: list[list[Trace]]) -> dict[str, Any]:
     return st
 
 
-def theory(p: int, m: int) -> float:
-    """1F1B idle fraction with backward = 2 x forward and free communication."""
-    return (p - 1) / (m + p - 1)
+def theory(p: int, m: int, v: int = 1) -> float:
+    """(Interleaved) 1F1B idle fraction with backward = 2 x forward and free communication."""
+    return (p - 1) / (v * m + p - 1)
 
 
-def simulated(p: int, m: int) -> list[float]:
+def simulated(p: int, m: int, v: int = 1) -> list[float]:
     """Each stage's idle fraction under the schedule simulator (forward 1, backward 2)."""
-    report = simulate([schedule_for("1f1b", p, s, m) for s in range(p)], forward_cost=1,
-                      backward_cost=2)
+    programs = [interleaved_1f1b(p, s, m, v) if v > 1 else schedule_for("1f1b", p, s, m)
+                for s in range(p)]
+    report = simulate(programs, chunks=v, forward_cost=1, backward_cost=2)
     return [stage.idle_time / report.makespan for stage in report.stages]
 
 
@@ -195,9 +208,10 @@ def _layers(names: list[str]) -> str:
     return ",".join(name if n == 1 else f"{n} x {name}" for name, n in runs)
 
 
-def _table(p: int, m: int, st: dict[str, Any], layers: list[list[str]]) -> list[str]:
-    sim = simulated(p, m)
-    lines = [f"PP={p} m={m} (1F1B): pipeline span {st['span'] * 1e3:.1f} ms (median of the "
+def _table(p: int, m: int, v: int, st: dict[str, Any], layers: list[list[str]]) -> list[str]:
+    sim, th = simulated(p, m, v), theory(p, m, v)
+    schedule = "1F1B" if v == 1 else f"interleaved, v={v}"
+    lines = [f"PP={p} m={m} ({schedule}): pipeline span {st['span'] * 1e3:.1f} ms (median of the "
              f"timed steps), with grad sync + optimizer {st['step'] * 1e3:.1f} ms, ranks left the "
              f"barrier within {st['skew'] * 1e3:.2f} ms",
              f"  {'stage':>5}  {'layers':<22}{'idle meas.':>11}{'theory':>8}{'sim.':>7}"
@@ -205,7 +219,7 @@ def _table(p: int, m: int, st: dict[str, Any], layers: list[list[str]]) -> list[
              f"{'cpu/wall':>9}"]
     for s in range(p):
         lines.append(f"  {s:>5}  {_layers(layers[s]):<22}{st['idle'][s]:>11.3f}"
-                     f"{theory(p, m):>8.3f}{sim[s]:>7.3f}{st['idle'][s] / theory(p, m):>12.2f}"
+                     f"{th:>8.3f}{sim[s]:>7.3f}{st['idle'][s] / th:>12.2f}"
                      f"{st['fwd_mb'][s] * 1e3:>11.2f}{st['bwd_mb'][s] * 1e3:>11.2f}"
                      f"{st['ratio'][s]:>8.2f}{st['cpu'][s]:>9.2f}")
     return lines
@@ -257,12 +271,31 @@ def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--blocks-per-stage", type=int, default=2)
+    p.add_argument("--virtual", type=int, nargs="*", default=[2],
+                   help="chunks per stage of the interleaved runs (1F1B always runs)")
     add_model_args(p, layers=None, hidden=128, heads=4, seq=64, vocab=512)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps per (PP, m)")
     p.add_argument("--width", type=int, default=1200, help="PNG width in pixels")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     return p.parse_args()
+
+
+def _summary(out: Any, rows: list[tuple[int, int, int, float, float, float]]) -> None:
+    """The table, and for each interleaved run: is its idle fraction within 0.05 of its
+    theory plus the overhead 1F1B measured at the same (PP, m), and below 1F1B's?"""
+    out.write(f"summary (mean over stages): {'PP':>3}{'m':>4}{'v':>3}{'idle meas.':>12}"
+              f"{'theory':>8}{'sim.':>7}{'meas-theory':>13}{'bound':>7}{'ok':>4}"
+              f"{'< 1F1B':>8}\n")
+    plain = {(pp, m): (meas, th) for pp, m, v, meas, th, _ in rows if v == 1}
+    for pp, m, v, meas, th, sim in rows:
+        base_meas, base_th = plain[pp, m]
+        bound = th + (base_meas - base_th) + 0.05
+        checks = ("", "") if v == 1 else ("yes" if meas <= bound else "NO",
+                                          "yes" if meas < base_meas else "NO")
+        out.write(f"{'':>28}{pp:>3}{m:>4}{v:>3}{meas:>12.3f}{th:>8.3f}{sim:>7.3f}"
+                  f"{meas - th:>13.3f}{bound if v > 1 else float('nan'):>7.3f}"
+                  f"{checks[0]:>4}{checks[1]:>8}\n")
 
 
 def main() -> None:
@@ -281,20 +314,18 @@ def main() -> None:
                       f"up to {max(a.pp)} processes share {os.cpu_count()} cores: the "
                       "timings are indicative only\n")
         for m in (pp, 4 * pp):
-            traces = _align([rank[2][m] for rank in per_rank])
-            st = _stats(traces)
-            out.write("\n".join(_table(pp, m, st, [rank[1] for rank in per_rank])) + "\n")
-            png = a.out / f"pipeline_bubble_pp{pp}_m{m}.png"
-            px, tick = draw([t[st["median_step"]] for t in traces], a.width, png)
-            out.write(f"  timeline: {png} ({px:.1f} px/ms, ticks every {tick:g} ms)\n")
-            summary.append((pp, m, statistics.mean(st["idle"]), theory(pp, m),
-                            statistics.mean(simulated(pp, m)), statistics.mean(st["ratio"])))
-            out.flush()
-    out.write(f"summary (mean over stages): {'PP':>3}{'m':>4}{'idle meas.':>12}"
-              f"{'(p-1)/(m+p-1)':>15}{'sim. f=1,b=2':>14}{'meas/theory':>13}{'bwd/fwd':>9}\n")
-    for pp, m, meas, th, sim, ratio in summary:
-        out.write(f"{'':>28}{pp:>3}{m:>4}{meas:>12.3f}{th:>15.3f}{sim:>14.3f}"
-                  f"{meas / th:>13.2f}{ratio:>9.2f}\n")
+            for v in (1, *a.virtual):
+                traces = _align([rank[2][m, v] for rank in per_rank])
+                st = _stats(traces)
+                out.write("\n".join(_table(pp, m, v, st, [rank[1] for rank in per_rank]))
+                          + "\n")
+                png = a.out / f"pipeline_bubble_pp{pp}_m{m}_v{v}.png"
+                px, tick = draw([t[st["median_step"]] for t in traces], a.width, png)
+                out.write(f"  timeline: {png} ({px:.1f} px/ms, ticks every {tick:g} ms)\n")
+                summary.append((pp, m, v, statistics.mean(st["idle"]), theory(pp, m, v),
+                                statistics.mean(simulated(pp, m, v))))
+                out.flush()
+    _summary(out, summary)
     out.write("timelines: rows = stages (stage 0 on top); blue = Forward, orange = Backward "
               "(two shades alternate by micro-batch), light grey = idle, dark grey = grad "
               "sync + optimizer after forward_backward, red line = end of the pipeline span\n"

@@ -7,8 +7,10 @@ elements per micro-batch per TP rank. Everything else is counted on its own line
 vocab-parallel embedding sums its partial lookups (forward), the LM head all-reduces its
 input gradient (backward), and vocab-parallel cross entropy reduces three [s, b] tensors
 (row max, target logit, sum of exponentials). With sequence parallelism each all-reduce
-becomes a reduce-scatter plus an all-gather moving the same volume over a ring, and the
-sequence-sharded norm and bias gradients are all-reduced once per step.
+becomes a reduce-scatter plus an all-gather moving the same volume over a ring, backward
+all-gathers again the input shard each column-parallel linear kept (Megatron's way of not
+keeping the gathered input), and the sequence-sharded norm and bias gradients are
+all-reduced once per step.
 
 Each TP rank is a gloo process on the CPU (the byte counts do not depend on the device). A
 ``CommCounter`` observes every collective from before the model is built; forward runs
@@ -140,10 +142,12 @@ def analytic(a: argparse.Namespace, k: int, sequence_parallel: bool) -> dict[Key
                     (EMBED, "fwd", "all_reduce"): bsh, (HEAD, "bwd", "all_reduce"): bsh})
         return out
     # An all-gather contributes its [s/k, b, h] shard, a reduce-scatter the full [s, b, h].
+    # Backward re-gathers the [s/k, b, h] input shard each column-parallel linear kept (the
+    # QKV and first MLP projections, and the LM head), as Megatron does under SP.
     for part, pass_, gathers, scatters in ((BLOCKS, "fwd", 2 * layers, 2 * layers),
-                                          (BLOCKS, "bwd", 2 * layers, 2 * layers),
+                                          (BLOCKS, "bwd", 4 * layers, 2 * layers),
                                           (EMBED, "fwd", 0, 1), (EMBED, "bwd", 1, 0),
-                                          (HEAD, "fwd", 1, 0), (HEAD, "bwd", 0, 1)):
+                                          (HEAD, "fwd", 1, 0), (HEAD, "bwd", 1, 1)):
         if gathers:
             out[(part, pass_, "all_gather")] = gathers * bsh // k
         if scatters:
@@ -190,7 +194,7 @@ def _table(a: argparse.Namespace, k: int, sp: bool, tally: Tally) -> list[str]:
         lines.append(_row(*key, calls, size, expected.get(key), note))
     blocks = [key for key in set(tally) | set(expected) if key[0] == BLOCKS]
     formula = ("4*L*b*s*h elements x 4 B, Megatron's count" if not sp else
-               "per layer and pass: 2 AG of [s/k, b, h] + 2 RS of [s, b, h]")
+               "per layer: fwd 2 AG + 2 RS, bwd 4 AG (2 re-gathers) + 2 RS")
     lines.append(_row(BLOCKS, "both", "all kinds", sum(tally.get(b, (0, 0))[0] for b in blocks),
                       sum(tally.get(b, (0, 0))[1] for b in blocks),
                       sum(expected.get(b, 0) for b in blocks), f"<- {formula}"))
@@ -213,9 +217,12 @@ def _report(a: argparse.Namespace, k: int, per_rank: list[tuple[str, Tally, Tall
                      "(rank 0; identical on every rank: " + ("yes" if same else "NO") + ")")
         lines += _table(a, k, sp, tally)
     tp_wire, sp_wire = _block_wire(tp_tally, k), _block_wire(sp_tally, k)
+    model = {sp: _block_wire({key: (0, size) for key, size in analytic(a, k, sp).items()}, k)
+             for sp in (False, True)}
     lines.append(f"TP={k} blocks, estimated ring wire bytes per rank (from the measured bytes): "
                  f"TP all-reduce {tp_wire:,.0f}, SP all-gather + reduce-scatter "
-                 f"{sp_wire:,.0f}; SP/TP = {sp_wire / tp_wire:.3f} (analytic 1.000)")
+                 f"{sp_wire:,.0f}; SP/TP = {sp_wire / tp_wire:.3f} (analytic "
+                 f"{model[True] / model[False]:.3f}: the backward re-gathers of SP)")
     return "\n".join(lines)
 
 

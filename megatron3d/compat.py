@@ -45,9 +45,6 @@ def _refuse(names: str, text: str, nargs: int = 0) -> list[CompatFlag]:
     return [CompatFlag(n, "refuse", text, nargs) for n in names.split()]
 
 
-_FULL_RECOMPUTE = ("megatron3d recomputes each whole transformer layer in backward (selective "
-                   "recompute is not implemented: less memory than selective, about a third "
-                   "more compute)")
 _NO_FUSION = "megatron3d has no hand-fused kernels to switch (torch kernels, apex when found)"
 _ALWAYS_TB = "always written to TensorBoard when --tensorboard-dir is given"
 _LAYOUT_FREE = "checkpoints are already layout-independent: any layout loads any other"
@@ -59,8 +56,8 @@ TABLE: tuple[CompatFlag, ...] = (
     _alias("--use-distributed-optimizer", "--zero-stage 1",
            "Megatron's distributed optimizer shards the optimizer state over data-parallel "
            "ranks: ZeRO-1"),
-    _alias("--recompute-activations", "--checkpoint-activations", _FULL_RECOMPUTE),
-    _alias("--recompute-granularity", "--checkpoint-activations", _FULL_RECOMPUTE, nargs=1),
+    _alias("--recompute-activations", "--recompute-granularity selective",
+           "Megatron's meaning: only the attention core is recomputed in backward"),
     _alias("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
     _alias("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"),
     _alias("--override-lr-scheduler", "--override-opt-param-scheduler"),
@@ -69,8 +66,8 @@ TABLE: tuple[CompatFlag, ...] = (
     _alias("--encoder-seq-length", "--seq-length {}", nargs=1),
     _alias("--zero-reduce-bucket-size", "--reduce-bucket-size {}", nargs=1),
     *_notice("--recompute-method --recompute-num-layers --checkpoint-num-layers",
-             "each transformer layer is recomputed on its own (Megatron's uniform method with "
-             "one layer)", nargs=1),
+             "full recompute re-runs each transformer layer on its own (Megatron's uniform "
+             "method with one layer)", nargs=1),
     *_notice("--overlap-grad-reduce", "always on: gradient buckets are reduced while backward "
              "runs"),
     *_notice("--distributed-backend", "NCCL on GPUs and gloo on CPU are picked by the device",
@@ -141,9 +138,6 @@ TABLE: tuple[CompatFlag, ...] = (
     *_refuse("--pad-vocab-size-to", "the vocabulary is padded to a multiple of "
              "--make-vocab-size-divisible-by x TP (BLOOM's 250,680 tokens with 128 at TP 4 give "
              "250,880): use --make-vocab-size-divisible-by", nargs=1),
-    *_refuse("--num-layers-per-virtual-pipeline-stage --virtual-pipeline-model-parallel-size",
-             "the interleaved pipeline schedule is not implemented yet: drop it to run 1F1B",
-             nargs=1),
     *_refuse("--num-experts", "mixture-of-experts models are not supported", nargs=1),
     *_refuse("--no-save-optim --no-save-rng", "checkpoints always hold the optimizer and RNG "
              "states so that a resume is exact; tools/checkpoint/consolidate.py writes the "

@@ -4,9 +4,9 @@ A bad run should fail in the first second with one line saying what is wrong, th
 the fix, not after minutes of start-up or, worse, train something other than what was asked.
 Each problem raises ``ConfigError("<what is wrong> (<flag>=<value>): <how to fix>")``.
 Checks run in order (required values, ranges, combinations, layout, batch), so a later check
-may rely on an earlier one: e.g. ``hidden % heads`` runs after ``heads >= 1``. Settings that
-are valid but not built yet are rejected last, in ``_check_implemented``, so a TP layout that
-would be wrong anyway reports the real problem first.
+may rely on an earlier one: e.g. ``hidden % heads`` runs after ``heads >= 1``. Rules that
+have an owner (the batch schedule, the partitioner, the interleaved schedule, the data split)
+are asked, not restated.
 
 ``--global-batch-size`` may be left unset: it then means micro batch size x data-parallel
 size (Megatron's default). The data-parallel size depends on the world size, which is
@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 from megatron3d.config import SECTIONS, ZERO_STAGES, Range, TrainConfig, flat_fields
 from megatron3d.data.builder import parse_split
 from megatron3d.errors import ConfigError
+from megatron3d.pipeline.interleaved import check_interleaving
+from megatron3d.pipeline.partition import layer_weights
 from megatron3d.training.batch_schedule import BatchSchedule
 
 _REQUIRED = (
     "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
 )
-_PARTITION_METHODS = ("uniform", "parameters")
-_TYPE_PREFIX = "type:"
 
 
 def flag(name: str) -> str:
@@ -211,6 +210,10 @@ def _check_model(values: dict[str, Any]) -> None:
             {"max_position_embeddings": max_positions, "seq_length": seq},
             "raise --max-position-embeddings to at least --seq-length",
         )
+    if values["checkpoint_activations"] and values["recompute_granularity"] == "selective":
+        raise _error("--checkpoint-activations is full recompute", {
+            "checkpoint_activations": True, "recompute_granularity": "selective"},
+            "keep one of the two")
 
 
 def _check_query_groups(values: dict[str, Any]) -> None:
@@ -305,25 +308,7 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
             "unknown ZeRO stage", {"zero_stage": parallel.zero_stage},
             "use --zero-stage 0, 1 or 3",
         )
-    _check_partition_method(parallel.pp_partition_method)
-
-
-def _check_partition_method(method: str) -> None:
-    fix = "use uniform, parameters or type:REGEX (a regex matching the layer class names)"
-    if method in _PARTITION_METHODS:
-        return
-    if not method.startswith(_TYPE_PREFIX):
-        raise _error("unknown pipeline partition method", {"pp_partition_method": method}, fix)
-    pattern = method[len(_TYPE_PREFIX):]
-    try:
-        re.compile(pattern)
-    except re.error as err:
-        raise _error(
-            f"invalid regex in the partition method ({err})",
-            {"pp_partition_method": method}, fix,
-        ) from None
-    if not pattern:
-        raise _error("empty regex in the partition method", {"pp_partition_method": method}, fix)
+    layer_weights([], [], parallel.pp_partition_method)  # the partitioner's own check
 
 
 def _check_batch(cfg: TrainConfig, world_size: int) -> None:
@@ -338,8 +323,10 @@ def _check_batch(cfg: TrainConfig, world_size: int) -> None:
             {"global_batch_size": gbs, "micro_batch_size": training.micro_batch_size},
             f"use a multiple of {unit}, e.g. {_nearest_multiples(gbs, unit)}",
         )
-    if training.rampup_batch_size is not None:
-        BatchSchedule(gbs, training.micro_batch_size, dp, training.rampup_batch_size).validate()
+    schedule = BatchSchedule(gbs, training.micro_batch_size, dp, training.rampup_batch_size)
+    schedule.validate()
+    check_interleaving(cfg.parallel, cfg.model.num_layers,  # the schedule's owner decides
+                       [g // unit for g in schedule.ramp_sizes()])
 
 
 def _nearest_multiples(value: int, unit: int) -> str:

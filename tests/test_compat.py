@@ -151,12 +151,12 @@ def test_a_megatron_lm_launch_parses_and_means_what_it_says():
     cfg, notices = parse_command_line(MEGATRON_LM_BASE + [w for f in MEGATRON_LM
                                                           for w in f.split()])
     validate(cfg, 16)
-    assert cfg.parallel.zero_stage == 1 and cfg.model.checkpoint_activations
+    assert cfg.parallel.zero_stage == 1 and cfg.model.recompute == "selective"
     assert cfg.model.normalization == "rmsnorm" and cfg.model.position_embedding_type == "rope"
     assert cfg.lr_schedule.override_opt_param_scheduler
     assert len(notices) == sum(v in ("notice", "alias") for v in MEGATRON_LM.values())
-    assert any(n.startswith("--recompute-activations: read as --checkpoint-activations (")
-               for n in notices)
+    assert any(n.startswith("--recompute-activations: read as --recompute-granularity "
+                            "selective (") for n in notices)
 
 
 def test_every_problem_of_a_command_line_is_reported_in_one_line():
@@ -174,12 +174,26 @@ def test_every_problem_of_a_command_line_is_reported_in_one_line():
     (["--context-parallel-size", "2"], "only size 1 is"),
     (["--optimizer", "sgd"], "AdamW"),
     (["--use-distributed-optimizer", "--zero-stage", "3"], "keep one of the two"),
-    (["--num-layers-per-virtual-pipeline-stage", "2"], "interleaved pipeline schedule"),
+    (["--recompute-activations", "--recompute-granularity", "full"], "keep one of the two"),
+    (["--checkpoint-activations", "--recompute-granularity", "selective"],
+     "--checkpoint-activations is full recompute"),
     (["--kv-channels", "16"], "--kv-channels must be hidden size / heads"),
 ])
 def test_refusals_name_the_reason(flags, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
         validate(parse_args(train_argv("gpt2", 5, *flags)), 1)
+
+
+@pytest.mark.parametrize(("flags", "recompute"), [
+    ([], None), (["--checkpoint-activations"], "full"),
+    (["--recompute-granularity", "full"], "full"),
+    (["--recompute-granularity", "selective"], "selective"),
+    (["--checkpoint-activations", "--recompute-granularity", "full"], "full"),
+])
+def test_recompute_granularity_is_a_megatron3d_flag_with_megatron_values(flags, recompute):
+    cfg = parse_args(train_argv("gpt2", 5, *flags))
+    validate(cfg, 1)
+    assert cfg.model.recompute == recompute
 
 
 def test_notices_are_logged_at_start(capsys):

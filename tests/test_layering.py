@@ -18,7 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "log": {"device", "errors"},
     "mpu": {"device", "errors"},
-    "pipeline": {"mpu", "device", "errors"},
+    "pipeline": {"mpu", "config", "device", "errors"},
     "optim": {"mpu", "config", "kernels", "device", "errors"},
     # ZeRO-3 plans its gathers from the pipeline program (pure instruction lists).
     "zero": {"mpu", "pipeline", "config", "device", "errors"},
@@ -26,8 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config", "device", "errors", "log"},
     "checkpoint": {"mpu", "pipeline", "optim", "zero", "model", "data", "config", "device",
                    "errors", "log"},
-    # validation asks the owners of rules: the rampup schedule (pure math), the data split.
-    "validation": {"config", "errors", "training", "data"},
+    # validation asks the owners of rules: the rampup schedule (pure math), the data split,
+    # the pipeline schedules.
+    "validation": {"config", "errors", "training", "data", "pipeline"},
     # the command-line front end shared by pretrain_gpt.py (through arguments) and tools/
     "cli": {"ranges", "errors"},
     # the table of Megatron flags megatron3d aliases, ignores or refuses: pure data

@@ -130,3 +130,17 @@ def test_non_finite_or_absurd_numbers_exit_2(monkeypatch, capsys, flags, named):
 
 def _must_not_start(*_args: object, **_kwargs: object) -> None:
     raise AssertionError("bad input must stop before the process group starts")
+
+
+def test_an_error_met_during_evaluation_is_one_line(monkeypatch, capsys):
+    """The one error path covers evaluation too: exit 2, one line, no traceback."""
+    from megatron3d.errors import DataError
+    from megatron3d.training import loop
+
+    def broken(*args, **kwargs):
+        raise DataError("validation batch 0 holds token id 999 >= vocabulary 203: rebuild it")
+
+    monkeypatch.setattr(loop, "evaluate", broken)
+    assert pretrain_gpt.main(train_argv("gpt2", 3, "--eval-interval", "2")) == 2
+    err = capsys.readouterr().err  # stdout holds the start-up log and two iteration lines
+    assert err.startswith("error: ") and err.count("\n") == 1 and "token id 999" in err, err

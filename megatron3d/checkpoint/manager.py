@@ -43,7 +43,8 @@ logger = get_logger(__name__)
 
 # Model fields that may differ from the checkpoint's: they change how the model runs, not
 # which model it is.
-RUN_ONLY_MODEL_FIELDS = {"checkpoint_activations", "hidden_dropout", "attention_dropout"}
+RUN_ONLY_MODEL_FIELDS = {"checkpoint_activations", "recompute_granularity", "hidden_dropout",
+                         "attention_dropout"}
 # Sections about how this run is operated, not what it trains: never reported as changed.
 _RUN_SECTIONS = {"checkpoint", "resilience"}
 
@@ -66,8 +67,12 @@ class Progress:
 
 
 def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
+    """How the run is laid out; saved RNG states are restored only into the same one. Model
+    chunks per pipeline rank appear only with interleaving (older checkpoints lack them)."""
+    chunks = cfg.parallel.virtual_size(cfg.model.num_layers)
     return {"world_size": state.world_size, "tp": state.tp.size, "pp": state.pp.size,
-            "dp": state.dp.size, "zero_stage": cfg.parallel.zero_stage}
+            "dp": state.dp.size, "zero_stage": cfg.parallel.zero_stage,
+            **({"virtual": chunks} if chunks > 1 else {})}
 
 
 def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],

@@ -66,7 +66,13 @@ class ModelConfig:
     hidden_dropout: float = option(0.1, "Dropout on attention and MLP outputs.", range=PROBABILITY)
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.", range=PROBABILITY)
     checkpoint_activations: bool = option(
-        False, "Recompute each transformer block in the backward pass to save memory.")
+        False, "Recompute each transformer block in the backward pass to save memory (the "
+        "same as --recompute-granularity full).")
+    recompute_granularity: Literal["full", "selective"] | None = option(
+        None, "Activation recompute in backward, Megatron's names: full re-runs each "
+        "transformer block and keeps only its input; selective re-runs only the attention "
+        "core (QK^T, softmax, dropout, @V), whose s x s scores would cost the most memory, "
+        "for a few percent more compute.")
 
     @property
     def ffn_size(self) -> int:
@@ -75,6 +81,11 @@ class ModelConfig:
         if self.swiglu:
             return int(4 * self.hidden_size * 2 / 3) // 64 * 64
         return 4 * self.hidden_size
+
+    @property
+    def recompute(self) -> Literal["full", "selective"] | None:
+        """The recompute in effect: --checkpoint-activations is full recompute."""
+        return "full" if self.checkpoint_activations else self.recompute_granularity
 
     @property
     def head_dim(self) -> int:
@@ -118,6 +129,14 @@ class ParallelConfig:
         range=Range(1, 2**40))
     pipeline_schedule: Literal["1f1b", "gpipe"] = option(
         "1f1b", "Pipeline schedule: 1f1b (at most PP micro-batches in flight) or gpipe.")
+    virtual_pipeline_model_parallel_size: int | None = option(
+        None, "Interleaved 1F1B: model chunks per pipeline rank (v); the layers are split "
+        "into PP x v virtual stages by --pp-partition-method and rank r holds virtual stages "
+        "r, r + PP, ...; the bubble shrinks to (PP-1)/(v x micro-batches).",
+        range=AT_LEAST_ONE)
+    num_layers_per_virtual_pipeline_stage: int | None = option(
+        None, "Interleaved 1F1B, Megatron's other spelling: transformer layers per virtual "
+        "stage (v = layers / (PP x this)).", range=AT_LEAST_ONE)
     sequence_parallel: bool = option(
         False, "Shard norms and dropout along the sequence inside TP groups (saves memory).")
     check_replicas_interval: int = option(
@@ -152,6 +171,13 @@ class ParallelConfig:
     def live_units(self) -> int:
         """Pool slots for ZeRO-3 units (resolves the 0 default)."""
         return self.zero3_max_live_units or self.zero3_prefetch_depth + 1
+
+    def virtual_size(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank: 1 without interleaving."""
+        if self.virtual_pipeline_model_parallel_size is not None:
+            return self.virtual_pipeline_model_parallel_size
+        per = self.num_layers_per_virtual_pipeline_stage
+        return 1 if per is None else num_layers // (self.pipeline_model_parallel_size * per)
 
     @property
     def model_parallel_size(self) -> int:

@@ -5,6 +5,11 @@ for G key/value heads (query groups) of n query heads, i.e. each group's n/G que
 then its key head, then its value head (Megatron's layout). A column-parallel split then gives
 each TP rank whole groups. Without grouped-query attention G = n and the layout is
 [n, 3, d]: head by head, each with its own q, k, v.
+
+Under selective recompute (``--recompute-granularity selective``) the attention core, from
+q, k, v to the attention output, keeps only q, k and v for backward and is re-run there, with
+the same dropout mask: on kernels that materialise them, the [b, n, s, s] scores,
+probabilities and dropout mask are what grows with s^2.
 """
 
 from __future__ import annotations
@@ -12,14 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron3d.model.context import LayerContext
-from megatron3d.model.positional import (
-    alibi_causal_bias,
-    alibi_slopes,
-    apply_rotary,
-    rotary_tables,
-)
+from megatron3d.model.positional import apply_rotary, rotary_tables
 from megatron3d.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -45,11 +46,8 @@ class SelfAttention(nn.Module):
             cos, sin = rotary_tables(cfg.seq_length, self.head_dim, cfg.rotary_base, ctx.device)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        if self.position_type == "alibi":
-            first = tp.rank * self.local_heads
-            slopes = alibi_slopes(cfg.num_attention_heads)[first:first + self.local_heads]
-            self.register_buffer("alibi_slopes", slopes, persistent=False)
-        self._bias_cache: dict[tuple, torch.Tensor] = {}
+        self.alibi = ctx.alibi if self.position_type == "alibi" else None
+        self.selective = cfg.recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, (n + 2G) d / tp] (gathered along s under SP)
@@ -60,21 +58,22 @@ class SelfAttention(nn.Module):
         if self.position_type == "rope":
             q = apply_rotary(q, self.rope_cos, self.rope_sin)
             k = apply_rotary(k, self.rope_cos, self.rope_sin)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.group_size > 1:  # each key/value head serves its group's query heads
-            k, v = (t.repeat_interleave(self.group_size, dim=1) for t in (k, v))
-        dropout = self.dropout_p if self.training else 0.0
-        mask = self._alibi(s, q) if self.position_type == "alibi" else None
-        with self.ctx.tp_region_rng():  # each TP rank drops out its own heads
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 is_causal=mask is None)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or G/tp, s, d]
+        if self.selective and torch.is_grad_enabled():
+            out = checkpoint(self._core, q, k, v, use_reentrant=False,
+                             context_fn=self.ctx.recompute_contexts)
+        else:
+            out = self._core(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.dense(out)  # [s, b, h]
 
-    def _alibi(self, s: int, like: torch.Tensor) -> torch.Tensor:
-        """The [n/tp, s, s] bias, built once per (length, dtype, device)."""
-        key = (s, like.dtype, like.device)
-        if key not in self._bias_cache:
-            self._bias_cache[key] = alibi_causal_bias(self.alibi_slopes, s, like.dtype,
-                                                      like.device)
-        return self._bias_cache[key]
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal mask or ALiBi) v, with attention dropout:
+        [b, heads, s, d] -> [b, heads, s, d]. What selective recompute re-runs."""
+        if self.group_size > 1:  # each key/value head serves its group's query heads
+            k, v = (t.repeat_interleave(self.group_size, dim=1) for t in (k, v))
+        dropout = self.dropout_p if self.training else 0.0
+        mask = None if self.alibi is None else self.alibi.get(q.shape[2], q.dtype, q.device)
+        with self.ctx.tp_region_rng():  # each TP rank drops out its own heads
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                  is_causal=mask is None)

@@ -1,18 +1,22 @@
 """What every layer needs to build itself: the model config, the TP axis, seed, dtype, device.
 
 Passed explicitly to each layer (no globals), and picklable into a LayerSpec so a pipeline
-stage can build its layers alone.
+stage can build its layers alone. What the layers of a rank share (the ALiBi bias) hangs off
+the one context they are all built from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from megatron3d.config import ModelConfig
+from megatron3d.model.positional import AlibiBias, alibi_slopes
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup
 
@@ -47,10 +51,37 @@ class LayerContext:
     def padded_vocab_size(self) -> int:
         return self.cfg.padded_vocab_size(self.tp.size)
 
+    @functools.cached_property
+    def alibi(self) -> AlibiBias:
+        """The ALiBi bias of this TP rank's heads, built once for all layers of the rank."""
+        heads = self.cfg.num_attention_heads // self.tp.size
+        first = self.tp.rank * heads
+        return AlibiBias(alibi_slopes(self.cfg.num_attention_heads)[first:first + heads])
+
     def sequence_shard_rng(self) -> contextlib.AbstractContextManager:
         """Dropout on activations: sequence-sharded ones (SP) differ per TP rank, replicated
         ones must draw the same mask on every TP rank (the shared default stream)."""
         return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
+
+    def hidden_dropout(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        """``--hidden-dropout`` on the residual stream, drawn as ``sequence_shard_rng`` says.
+
+        ``native_dropout`` draws the mask ``F.dropout`` would, but keeps it for backward as
+        one byte per element on every device (``F.dropout`` on the CPU keeps it in the
+        activation's dtype, and its bf16 backward scales by a rounded 1/(1-p)).
+        """
+        p = self.cfg.hidden_dropout
+        if not training or p == 0.0:
+            return x
+        with self.sequence_shard_rng():
+            return torch.native_dropout(x, p, True)[0]
+
+    def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
+        """``context_fn`` for torch's checkpoint, called at forward time: the checkpoint
+        replays the default generator itself; this replays the TP dropout stream."""
+        if self.rng is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return contextlib.nullcontext(), _replay(self.rng, self.rng.stream_states())
 
     def linear_kwargs(self) -> dict:
         """Keyword arguments of the parallel linear layers."""
@@ -60,3 +91,14 @@ class LayerContext:
         """Keyword arguments shared by every mpu parallel layer."""
         return {"tp": self.tp, "seed": self.seed, "params_dtype": self.params_dtype,
                 "device": self.device}
+
+
+@contextlib.contextmanager
+def _replay(rng: RNGStreams, states: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Run the recompute from the streams' forward-time states, then restore where they are."""
+    current = rng.stream_states()
+    rng.set_stream_states(states)
+    try:
+        yield
+    finally:
+        rng.set_stream_states(current)

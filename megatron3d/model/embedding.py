@@ -16,12 +16,8 @@ from torch import nn
 
 from megatron3d.model.context import LayerContext
 from megatron3d.model.norm import Norm
-from megatron3d.mpu.layers import VocabParallelEmbedding
-from megatron3d.mpu.mappings import (
-    copy_to_tp_region,
-    gather_from_sequence_region,
-    reduce_scatter_to_sequence_region,
-)
+from megatron3d.mpu.layers import VocabParallelEmbedding, linear_with_sequence_gather
+from megatron3d.mpu.mappings import copy_to_tp_region, reduce_scatter_to_sequence_region
 from megatron3d.mpu.meta import ParamMeta, get_meta, set_meta
 from megatron3d.mpu.random import seeded_normal
 
@@ -54,7 +50,6 @@ class InputEmbedding(nn.Module):
             self.position_embeddings = set_meta(
                 nn.Parameter(table.to(device=ctx.device, dtype=ctx.params_dtype)),
                 ParamMeta(name=name, sequence_parallel=ctx.sequence_parallel))
-        self.dropout = cfg.hidden_dropout
         self.ctx = ctx
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -65,8 +60,7 @@ class InputEmbedding(nn.Module):
             if self.position_embeddings is not None:
                 x = x + self.position_embeddings[: tokens.shape[1]]
             x = x.transpose(0, 1).contiguous()  # [s, b, h]
-        with self.ctx.sequence_shard_rng():
-            return F.dropout(x, self.dropout if self.training else 0.0, self.training)
+        return self.ctx.hidden_dropout(x, self.training)
 
     def _sequence_shard(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's sequence shard [s/tp, b, h]: the partial lookups are summed with a
@@ -105,8 +99,6 @@ class OutputEmbedding(nn.Module):
         self.sequence_parallel = ctx.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.tp)  # [s/tp, b, h] -> [s, b, h]
-        else:
-            x = copy_to_tp_region(x, self.tp)
-        return F.linear(x, self.weight)
+        if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, v/tp], keeping only the shard
+            return linear_with_sequence_gather(x, self.weight, None, self.tp)
+        return F.linear(copy_to_tp_region(x, self.tp), self.weight)

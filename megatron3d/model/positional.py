@@ -44,9 +44,34 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 def alibi_causal_bias(slopes: torch.Tensor, seq_length: int, dtype: torch.dtype,
                       device: torch.device | None) -> torch.Tensor:
-    """Additive attention bias [n, s, s]: -slope * distance, and -inf above the diagonal."""
+    """Additive attention bias [1, n, s, s]: -slope * distance, and -inf above the diagonal.
+
+    Computed in fp32 and cast once to ``dtype``. The leading batch dimension of 1 is what lets
+    SDPA apply it inside a fused kernel instead of materialising the scores.
+    """
     pos = torch.arange(seq_length, dtype=torch.float32)
     distance = pos[None, :] - pos[:, None]  # [s, s], key minus query: <= 0 where allowed
     bias = slopes.to(torch.float32)[:, None, None] * distance[None]
     bias = bias.masked_fill(distance[None] > 0, float("-inf"))
-    return bias.to(device=device, dtype=dtype)
+    return bias.unsqueeze(0).to(device=device, dtype=dtype)
+
+
+class AlibiBias:
+    """The causal ALiBi bias of one rank's heads, shared by every attention layer that holds
+    this object (``LayerContext.alibi``: one per rank, not one per layer).
+
+    One tensor per (dtype, device) at the longest length asked for; a shorter sequence gets
+    its top-left block, which is exactly its own bias (the bias depends on key minus query).
+    """
+
+    def __init__(self, slopes: torch.Tensor) -> None:
+        self.slopes = slopes  # [n/tp] fp32
+        self._built: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, seq_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The bias [1, n/tp, s, s] for ``seq_length`` tokens."""
+        bias = self._built.get((dtype, device))
+        if bias is None or bias.shape[-1] < seq_length:
+            bias = alibi_causal_bias(self.slopes, seq_length, dtype, device)
+            self._built[(dtype, device)] = bias
+        return bias[..., :seq_length, :seq_length]

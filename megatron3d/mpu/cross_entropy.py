@@ -4,6 +4,12 @@ The full [..., v] logits never exist on one rank: the max, the target logit and 
 exponentials are each reduced across TP as [...]-shaped tensors. Columns at or beyond the
 logical vocabulary (padding) are masked to -inf, so the padded size never changes the loss.
 Computed in fp32 whatever the logits' dtype; the gradient comes back in the logits' dtype.
+
+Memory: one fp32 buffer of this rank's logits, worked on in place from the copy of the logits
+to the gradient (softmax minus the one-hot target, scaled in backward), so the loss holds at
+most that buffer plus, in backward, the gradient in the logits' dtype: 1.5x the fp32 logits
+for bf16 logits. The buffer is consumed by backward (it becomes the gradient), so the graph
+cannot be run backward twice.
 """
 
 from __future__ import annotations
@@ -24,25 +30,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp.rank * v_local
         n_real = min(max(logical_vocab_size - start, 0), v_local)  # real columns held here
 
-        real = logits[..., :n_real].float()  # [..., n_real]
-        if n_real > 0:
-            row_max = real.max(dim=-1).values  # [...]
-        else:
-            row_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+        buf = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [..., v/tp]
+        buf[..., :n_real] = logits[..., :n_real]
+        buf[..., n_real:] = float("-inf")
+        row_max = buf.max(dim=-1).values  # [...], -inf on a rank of padding only
         comm.all_reduce(row_max, tp, op=comm.MAX)
-
-        shifted = torch.empty(logits.shape, dtype=torch.float32,
-                              device=logits.device)  # [..., v/tp]
-        torch.sub(real, row_max.unsqueeze(-1), out=shifted[..., :n_real])
-        shifted[..., n_real:] = float("-inf")
+        buf.sub_(row_max.unsqueeze(-1))
 
         outside = (labels < start) | (labels >= start + v_local)  # [...]
-        local_labels = (labels - start).masked_fill(outside, 0)
-        target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)  # [...]
-        target = target.masked_fill(outside, 0.0)
+        local_labels = (labels - start).masked_fill(outside, 0).unsqueeze(-1)  # [..., 1]
+        target = buf.gather(-1, local_labels).squeeze(-1).masked_fill(outside, 0.0)  # [...]
         comm.all_reduce(target, tp)
 
-        probs = shifted.exp_()  # [..., v/tp], unnormalised (0 on padding); reuses the buffer
+        probs = buf.exp_()  # unnormalised (0 on padding)
         # Sum the real columns only: the same additions whatever the padding, so the loss is
         # bitwise independent of the padded vocabulary size.
         sum_exp = probs[..., :n_real].sum(dim=-1)  # [...]
@@ -50,18 +50,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = torch.log(sum_exp) - target  # [...]
 
         probs.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(probs, local_labels, outside)
+        # d loss / d logit_j = softmax_j - [j == label]; only the owner of the label subtracts.
+        one_hot = (~outside).to(probs.dtype).unsqueeze(-1)  # [..., 1]
+        grad = probs.scatter_add_(-1, local_labels, -one_hot)
+        ctx.save_for_backward(grad)
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        probs, local_labels, outside = ctx.saved_tensors
-        # d loss / d logit_j = softmax_j - [j == label]; only the owner of the label subtracts.
-        grad = probs.clone()  # [..., v/tp]
-        one_hot = (~outside).to(grad.dtype).unsqueeze(-1)  # [..., 1]
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -one_hot)
-        grad.mul_(grad_loss.unsqueeze(-1))
+        (grad,) = ctx.saved_tensors
+        grad.mul_(grad_loss.unsqueeze(-1))  # the saved buffer becomes the gradient
         return grad.to(ctx.logits_dtype), None, None, None
 
 

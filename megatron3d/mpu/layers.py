@@ -10,14 +10,16 @@ CPU, where they are drawn; pass ``megatron3d.device.device()`` to build them in 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional alias
 from torch import nn
 
 from megatron3d.errors import ConfigError
+from megatron3d.mpu import comm
 from megatron3d.mpu.mappings import (
     copy_to_tp_region,
-    gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
@@ -47,12 +49,50 @@ def _divide(numerator: int, tp: AxisGroup, what: str) -> int:
     return numerator // tp.size
 
 
+class _SequenceGatherLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T + b that keeps only the [s/tp, b, in] shard ``x`` for the
+    weight gradient and gathers it again in backward (Megatron's way): the full [s, b, in]
+    input lives only while it is used, not until backward. The gradients are computed as
+    autograd computes them for ``F.linear``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                tp: AxisGroup) -> torch.Tensor:
+        ctx.tp, ctx.has_bias = tp, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(comm.all_gather(x, tp, dim=0), weight, bias)  # [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_2d = grad.flatten(0, -2)  # [s * b, out/tp]
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = comm.reduce_scatter(grad.matmul(weight), ctx.tp, dim=0)  # [s/tp, b, in]
+        if ctx.needs_input_grad[1]:
+            total = comm.all_gather(x, ctx.tp, dim=0)  # [s, b, in], again
+            grad_weight = grad_2d.t().mm(total.flatten(0, -2))  # [out/tp, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(0)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor,
+                                bias: torch.Tensor | None, tp: AxisGroup) -> torch.Tensor:
+    """A column-parallel linear on a sequence-parallel input [s/tp, b, in] -> [s, b, out/tp]."""
+    if tp.size == 1:
+        return F.linear(x, weight, bias)
+    return _SequenceGatherLinear.apply(x, weight, bias, tp)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across TP ranks (weight [out/tp, in]).
 
-    The input is replicated (its gradient is all-reduced on the way back); the output stays
-    split unless ``gather_output``. ``stride`` stacked sub-matrices are split separately and,
-    when gathered, put back in logical order.
+    The input is replicated (its gradient is all-reduced on the way back), or under
+    ``sequence_parallel`` this rank's sequence shard, all-gathered on the way in and again in
+    backward (only the shard is kept); the output stays split unless ``gather_output``.
+    ``stride`` stacked sub-matrices are split separately and, when gathered, put back in
+    logical order.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, name: str,
@@ -78,11 +118,10 @@ class ColumnParallelLinear(nn.Module):
                                params_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.tp)  # [s/tp, b, in] -> [s, b, in]
+        if self.sequence_parallel:  # [s/tp, b, in] -> [s, b, out/tp]
+            y = linear_with_sequence_gather(x, self.weight, self.bias, self.tp)
         else:
-            x = copy_to_tp_region(x, self.tp)
-        y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
+            y = F.linear(copy_to_tp_region(x, self.tp), self.weight, self.bias)  # [..., out/tp]
         if not self.gather_output:
             return y
         y = gather_from_tp_region(y, self.tp)  # [..., out], rank-major

@@ -12,11 +12,16 @@ Sequence parallelism shards activations along the sequence (dim 0 of [s, b, h]) 
 regions, replacing each all-reduce by a reduce-scatter plus an all-gather:
 
     scatter_to_sequence_region         fwd split seq       bwd all-gather seq
-    gather_from_sequence_region        fwd all-gather seq  bwd reduce-scatter seq
     reduce_scatter_to_sequence_region  fwd reduce-scatter  bwd all-gather seq
 
-On a size-1 axis every function is the identity and adds no autograd node. Reductions run on
-clones: autograd inputs and incoming gradients may be shared, so they are never written.
+(The all-gather in front of a column-parallel linear is part of the linear,
+``layers.linear_with_sequence_gather``, so that only the shard is kept for backward.)
+
+On a size-1 axis every function is the identity and adds no autograd node.
+``reduce_from_tp_region`` sums its input in place (no copy of the activation): the input must
+be a fresh partial result that nothing else uses, and autograd's version counter stops a
+backward that would need it. Incoming gradients may be shared with other graph branches, so
+they are reduced on a clone.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
-        return comm.all_reduce(x.clone(), tp)
+        ctx.mark_dirty(x)
+        return comm.all_reduce(x, tp)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -85,7 +91,8 @@ def copy_to_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
 
 
 def reduce_from_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
-    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    """Leave a TP region by summing partial results: all-reduce forward (in place: ``x`` is
+    consumed), identity backward."""
     return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
 
 
@@ -112,17 +119,6 @@ class _ScatterToSequence(torch.autograd.Function):
         return comm.all_gather(grad.contiguous(), ctx.tp, dim=0), None
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
-        ctx.tp = tp
-        return comm.all_gather(x.contiguous(), tp, dim=0)  # [s, b, h]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return comm.reduce_scatter(grad.contiguous(), ctx.tp, dim=0), None
-
-
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
@@ -136,10 +132,6 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 def scatter_to_sequence_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     return x if tp.size == 1 else _ScatterToSequence.apply(x, tp)
-
-
-def gather_from_sequence_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
-    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:

@@ -1,13 +1,17 @@
 """Run one global batch through this rank's pipeline stage by following a schedule.
 
-The schedule (``schedule.py``) says what to do; this module only does it: forward and
-backward on the local stage, and the exchanges with the neighbouring stages. Without
-pipelining (one stage) the 1F1B program is simply forward, backward per micro-batch, so there
-is one code path for every layout.
+The schedule (``schedule.py``, ``interleaved.py``) says what to do; this module only does it:
+forward and backward on the local stage (or on one of its chunks under interleaving), and
+the exchanges with the neighbouring ranks. Without pipelining (one stage) the 1F1B program is
+simply forward, backward per micro-batch, so there is one code path for every layout.
 
 Activations travel between stages with the same tensor-parallel rank: each TP rank sends its
 own copy. That keeps one deterministic path with no extra collective; under sequence
 parallelism the activations are already split across TP ranks, so nothing is sent twice.
+
+A stage output that has been sent is only needed for its autograd graph: its data is freed
+after the send (as Megatron does) and its backward runs from the graph alone, so a stage
+holding many in-flight micro-batches keeps none of their outputs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from megatron3d.errors import ConfigError
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.instructions import Backward, Exchange, Forward, Instruction
+from megatron3d.pipeline.interleaved import interleaved_1f1b, interleaved_forward_only
 from megatron3d.pipeline.schedule import forward_only, schedule_for
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -45,12 +50,16 @@ class ProgramObserver(Protocol):
 
 
 class PipelineEngine:
-    """This rank's stage, its neighbours on the ``pp`` axis, and how to run a batch."""
+    """This rank's stage, its neighbours on the ``pp`` axis, and how to run a batch.
+
+    ``stage`` runs the rank's layers; under interleaving (``chunks`` > 1) it is a
+    ``spec.VirtualStages`` whose ``chunks[c]`` is virtual stage ``c * pp.size + pp.rank``."""
 
     def __init__(self, stage: nn.Module, pp: AxisGroup, loss_fn: LossFn,
                  activation_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, schedule: str = "1f1b") -> None:
+                 device: torch.device, schedule: str = "1f1b", chunks: int = 1) -> None:
         self.stage = stage
+        self.chunks: list[nn.Module] = list(stage.chunks) if chunks > 1 else [stage]
         self.pp = pp
         self.loss_fn = loss_fn
         self.shape, self.dtype, self.device = activation_shape, dtype, device
@@ -68,7 +77,9 @@ class PipelineEngine:
         loss on the last stage (zero elsewhere), detached, on the device.
         ``before_last_backward`` runs just before the backward that makes gradients final
         (data-parallel reduction starts from there, overlapping that backward)."""
-        program = schedule_for(self.schedule, self.pp.size, self.pp.rank, len(batches))
+        p, r, m, v = self.pp.size, self.pp.rank, len(batches), len(self.chunks)
+        program = (interleaved_1f1b(p, r, m, v) if v > 1
+                   else schedule_for(self.schedule, p, r, m))
         if before_last_backward is not None:
             last = max(i for i, step in enumerate(program) if isinstance(step, Backward))
             program.insert(last, _Call(before_last_backward))
@@ -76,7 +87,8 @@ class PipelineEngine:
 
     def forward_only(self, batches: list[Batch]) -> torch.Tensor:
         """Mean loss over ``batches`` without gradients (evaluation)."""
-        program = forward_only(self.pp.size, self.pp.rank, len(batches))
+        p, r, m, v = self.pp.size, self.pp.rank, len(batches), len(self.chunks)
+        program = (interleaved_forward_only(p, r, m, v) if v > 1 else forward_only(p, r, m))
         with torch.no_grad():
             return self._run(program, batches, 0.0)
 
@@ -90,9 +102,9 @@ class PipelineEngine:
             if isinstance(step, Exchange):
                 self._exchange(step, run)
             elif isinstance(step, Forward):
-                self._forward(step.micro_batch, batches[step.micro_batch], run, weight)
+                self._forward(step, batches[step.micro_batch], run, weight)
             elif isinstance(step, Backward):
-                self._backward(step.micro_batch, run)
+                self._backward(step, run)
             else:
                 step.fn()
             for observer in observers:
@@ -101,42 +113,56 @@ class PipelineEngine:
             observer.end()
         return run.total / len(batches)
 
-    def _forward(self, mb: int, batch: Batch, run: _Run, weight: float) -> None:
-        x = batch.tokens if self.first else run.inputs[mb]
-        y = self.stage(x)
-        if not self.last:
-            run.outputs[mb] = y  # [s(/tp), b, h]
+    def _first_virtual(self, chunk: int) -> bool:
+        return self.first and chunk == 0
+
+    def _last_virtual(self, chunk: int) -> bool:
+        return self.last and chunk == len(self.chunks) - 1
+
+    def _forward(self, step: Forward, batch: Batch, run: _Run, weight: float) -> None:
+        key = (step.micro_batch, step.chunk)
+        x = batch.tokens if self._first_virtual(step.chunk) else run.inputs[key]
+        y = self.chunks[step.chunk](x)
+        if not self._last_virtual(step.chunk):
+            run.outputs[key] = y  # [s(/tp), b, h]
             return
         loss = self.loss_fn(y, batch)
         run.total += loss.detach()
         if torch.is_grad_enabled():
-            run.outputs[mb] = loss * weight
+            run.outputs[key] = loss * weight
 
-    def _backward(self, mb: int, run: _Run) -> None:
-        out = run.outputs.pop(mb)
-        if self.last:
+    def _backward(self, step: Backward, run: _Run) -> None:
+        key = (step.micro_batch, step.chunk)
+        out = run.outputs.pop(key)
+        if self._last_virtual(step.chunk):
             out.backward()
-        else:
-            torch.autograd.backward(out, grad_tensors=run.output_grads.pop(mb))
+        else:  # ``out`` lost its data after the send: only its graph is left
+            _backward_from_graph(out, run.output_grads.pop(key))
 
     def _exchange(self, step: Exchange, run: _Run) -> None:
-        sends, recvs, received = [], [], []
-        if step.send_forward is not None:
-            mb = step.send_forward  # training keeps the output for its backward
-            out = run.outputs[mb] if torch.is_grad_enabled() else run.outputs.pop(mb)
-            sends.append((out.detach(), self.pp.rank + 1, ("F", mb)))
-        if step.send_backward is not None:
-            mb = step.send_backward
-            sends.append((run.inputs.pop(mb).grad, self.pp.rank - 1, ("B", mb)))
-        if step.recv_forward is not None:  # tags name what a message is, for hang dumps
-            received.append((run.inputs, step.recv_forward, self._buffer()))
-            recvs.append((received[-1][2], self.pp.rank - 1, ("F", step.recv_forward)))
-        if step.recv_backward is not None:
-            received.append((run.output_grads, step.recv_backward, self._buffer()))
-            recvs.append((received[-1][2], self.pp.rank + 1, ("B", step.recv_backward)))
+        p, v = self.pp.size, len(self.chunks)
+        nxt, prev = (self.pp.rank + 1) % p, (self.pp.rank - 1) % p
+        sends, recvs, received, sent = [], [], [], []
+        for name, mb, chunk in step.transfers():  # field order: the order both sides post
+            key = (mb, chunk)
+            if name == "send_forward":  # training keeps the output's graph for its backward
+                out = run.outputs[key] if torch.is_grad_enabled() else run.outputs.pop(key)
+                sends.append((out.detach(), nxt, _tag("F", mb, chunk + (nxt == 0), v)))
+                sent.append(out)
+            elif name == "send_backward":
+                grad = run.inputs.pop(key).grad
+                sends.append((grad, prev, _tag("B", mb, chunk - (prev == p - 1), v)))
+            else:  # tags name what a message is, for hang dumps
+                store = run.inputs if name == "recv_forward" else run.output_grads
+                buffer = self._buffer()
+                received.append((store, key, buffer))
+                peer, kind = (prev, "F") if name == "recv_forward" else (nxt, "B")
+                recvs.append((buffer, peer, _tag(kind, mb, chunk, v)))
         comm.exchange(sends, recvs, self.pp)
-        for store, mb, tensor in received:
-            store[mb] = tensor.requires_grad_(store is run.inputs and torch.is_grad_enabled())
+        for out in sent:
+            _free_data(out)
+        for store, key, tensor in received:
+            store[key] = tensor.requires_grad_(store is run.inputs and torch.is_grad_enabled())
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -168,6 +194,25 @@ class PipelineEngine:
                             dtype=torch.int64, device=self.device)
 
 
+def _tag(kind: str, mb: int, chunk: int, chunks: int) -> tuple:
+    """What a message is, named as its receiver names it; the chunk only with interleaving."""
+    return (kind, mb) if chunks == 1 else (kind, mb, chunk)
+
+
+def _free_data(out: torch.Tensor) -> None:
+    """Drop a sent output's data; its graph (``grad_fn``) stays for the backward."""
+    if out.requires_grad:
+        out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+
+
+def _backward_from_graph(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """``torch.autograd.backward(out, grad)`` for an output whose data was freed: autograd's
+    engine runs from ``out.grad_fn`` directly, skipping the Python wrapper's check that
+    ``grad`` has the output's shape (which the freed placeholder no longer has)."""
+    torch.autograd.Variable._execution_engine.run_backward(  # as Megatron does
+        (out,), (grad,), False, False, (), True, True)
+
+
 class _Call:
     """A host-side callback spliced into a program (not part of any schedule)."""
 
@@ -176,13 +221,13 @@ class _Call:
 
 
 class _Run:
-    """Tensors alive during one batch, keyed by micro-batch."""
+    """Tensors alive during one batch, keyed by (micro-batch, chunk)."""
 
     def __init__(self, total: torch.Tensor) -> None:
         self.total = total  # sum of micro-batch losses (last stage)
-        self.inputs: dict[int, torch.Tensor] = {}  # received activations (grad enabled)
-        self.outputs: dict[int, torch.Tensor] = {}  # stage outputs, or scaled losses
-        self.output_grads: dict[int, torch.Tensor] = {}  # received gradients of outputs
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # outputs, or scaled losses
+        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients
 
 
 def _mismatch(sender: int, sent: torch.Tensor, receiver: int,

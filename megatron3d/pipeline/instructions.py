@@ -1,10 +1,15 @@
-"""The vocabulary of pipeline schedules: what one stage does, step by step.
+"""The vocabulary of pipeline schedules: what one pipeline rank does, step by step.
 
-A schedule is a pure list of these per stage (``schedule.py`` makes them, tests inspect and
+A schedule is a pure list of these per rank (``schedule.py`` makes them, tests inspect and
 simulate them without processes, ``engine.py`` executes them). Communication with the
-neighbouring stages is one ``Exchange`` step whose sends and receives are posted together and
+neighbouring ranks is one ``Exchange`` step whose sends and receives are posted together and
 then all awaited, so two neighbours sending to each other at once cannot deadlock, and every
-message between two stages travels in one fixed order.
+message between two ranks travels in one fixed order.
+
+With interleaving a rank holds ``v`` model chunks: chunk ``c`` of rank ``r`` is virtual stage
+``c * p + r`` of ``p * v``. Computations and transfers name the chunk they belong to on the
+rank that lists them (0 without interleaving), so the last rank's chunk ``c`` sends its output
+to the first rank's chunk ``c + 1``.
 """
 
 from __future__ import annotations
@@ -14,17 +19,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Forward:
-    """Run this stage's layers on micro-batch ``micro_batch`` (its input must be here)."""
+    """Run chunk ``chunk``'s layers on micro-batch ``micro_batch`` (its input must be here)."""
 
     micro_batch: int
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
 class Backward:
-    """Backpropagate micro-batch ``micro_batch`` through this stage (the output's gradient
-    must be here: received, or the loss on the last stage)."""
+    """Backpropagate micro-batch ``micro_batch`` through chunk ``chunk`` (the output's
+    gradient must be here: received, or the loss on the last virtual stage)."""
 
     micro_batch: int
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,18 @@ class Exchange:
     recv_forward: int | None = None
     send_backward: int | None = None
     recv_backward: int | None = None
+    # The chunk each transfer belongs to on this rank (interleaving; 0 otherwise), in the
+    # order of the fields above.
+    chunks: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def transfers(self) -> list[tuple[str, int, int]]:
+        """(field, micro-batch, chunk) of each listed transfer, in field order."""
+        return [(name, mb, chunk) for name, mb, chunk in zip(
+            TRANSFERS, (self.send_forward, self.recv_forward, self.send_backward,
+                        self.recv_backward), self.chunks, strict=True) if mb is not None]
+
+
+TRANSFERS = ("send_forward", "recv_forward", "send_backward", "recv_backward")
 
 
 Instruction = Forward | Backward | Exchange

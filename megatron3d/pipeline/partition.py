@@ -31,6 +31,7 @@ _FLAG = "--pp-partition-method"
 _TYPE_PREFIX = "type:"
 _METHOD_FIX = "use uniform, parameters or type:REGEX (a regex matching layer class names)"
 _STAGES_FLAG = "--pipeline-model-parallel-size"
+_VIRTUAL_FLAG = "--virtual-pipeline-model-parallel-size"
 
 
 def layer_weights(type_names: list[str], param_counts: list[int], method: str) -> list[int]:
@@ -75,12 +76,13 @@ def partition(weights: list[int], num_stages: int) -> list[int]:
 
 
 def partition_layers(type_names: list[str], param_counts: list[int], num_stages: int,
-                     method: str) -> list[int]:
-    """Stage boundaries of the layer list under ``method`` (``layer_weights`` + ``partition``)."""
+                     method: str, chunks: int = 1) -> list[int]:
+    """Boundaries of the ``num_stages * chunks`` (virtual) stages of the layer list under
+    ``method`` (``layer_weights`` + ``partition``): interleaving balances virtual stages."""
     weights = layer_weights(type_names, param_counts, method)
     weighted = sum(1 for w in weights if w > 0)
-    _check_stage_count(num_stages, weighted, _weighted_phrase(method, len(weights)))
-    return partition(weights, num_stages)
+    _check_stage_count(num_stages, weighted, _weighted_phrase(method, len(weights)), chunks)
+    return partition(weights, num_stages * chunks)
 
 
 def _weighted_phrase(method: str, num_layers: int) -> str:
@@ -92,11 +94,18 @@ def _weighted_phrase(method: str, num_layers: int) -> str:
     return "layers"
 
 
-def _check_stage_count(num_stages: int, num_weighted: int, weighted_phrase: str) -> None:
-    """Every stage needs at least one weighted layer to own."""
+def _check_stage_count(num_stages: int, num_weighted: int, weighted_phrase: str,
+                       chunks: int = 1) -> None:
+    """Every (virtual) stage needs at least one weighted layer to own."""
     if num_stages < 1:
         raise ConfigError(f"the pipeline needs at least one stage ({_STAGES_FLAG}="
                           f"{num_stages}): use a size >= 1")
+    if chunks > 1 and num_stages * chunks > num_weighted:
+        raise ConfigError(
+            f"{num_stages} x {chunks} virtual pipeline stages but only {num_weighted} "
+            f"{weighted_phrase}, so some would get no work ({_STAGES_FLAG}={num_stages}, "
+            f"{_VIRTUAL_FLAG}={chunks}): lower {_VIRTUAL_FLAG} or {_STAGES_FLAG}, or change "
+            f"{_FLAG}")
     if num_stages > num_weighted:
         raise ConfigError(
             f"{num_stages} pipeline stages but only {num_weighted} {weighted_phrase}, so some "
@@ -178,19 +187,25 @@ class TiedCopy:
 
 
 def format_partition_table(bounds: list[int], labels: list[str], param_counts: list[int],
-                           tied: list[TiedCopy] | tuple[TiedCopy, ...] = ()) -> str:
+                           tied: list[TiedCopy] | tuple[TiedCopy, ...] = (),
+                           ranks: int = 0) -> str:
     """One line per stage (parameters, layers by the labels users know), then the total.
 
     A tied weight counts once, in its owner's stage; a stage holding a copy of it says so.
+    With ``ranks`` fewer than the stages (interleaving), a row names virtual stage k as
+    pipeline rank k mod ranks, chunk k // ranks.
     """
     lines = [f"{'stage':>5}  {'parameters':>15}  layers"]
+    virtual = 0 < ranks < len(bounds) - 1
     for stage, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         mine = [c for c in tied if start <= c.layer < end]
         params = sum(param_counts[start:end]) - sum(c.numel for c in mine)
         copies = [c for c in mine if not start <= c.owner < end]  # owned by another stage
         note = (f" (+ {sum(c.numel for c in copies):,} tied copy of {labels[copies[0].owner]})"
                 if copies else "")
-        lines.append(f"{stage:>5}  {params:>15,}  {_compress_labels(labels[start:end])}{note}")
+        where = f" (rank {stage % ranks}, chunk {stage // ranks})" if virtual else ""
+        lines.append(f"{stage:>5}  {params:>15,}  {_compress_labels(labels[start:end])}{note}"
+                     f"{where}")
     unique = sum(param_counts) - sum(c.numel for c in tied)
     lines.append(f"{'total':>5}  {unique:>15,}  unique parameters")
     return "\n".join(lines)

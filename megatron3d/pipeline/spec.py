@@ -49,13 +49,36 @@ class Stage(nn.Module):
         return x
 
 
+class VirtualStages(nn.Module):
+    """The model chunks one rank holds under interleaving: chunk ``c`` is virtual stage
+    ``c * p + rank``. ``layers`` lists every chunk's layers in chunk order (ZeRO binds and
+    plans them as one stage's)."""
+
+    def __init__(self, chunks: list[Stage]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return [layer for chunk in self.chunks for layer in chunk.layers]
+
+
 def build_stage(specs: list[LayerSpec], start: int, end: int) -> Stage:
     """Build ``specs[start:end]``, sharing tied parameters between layers of this stage."""
-    layers = [spec.build() for spec in specs[start:end]]
-    for index, layer in enumerate(layers, start):
-        ensure_meta(layer, f"{specs[index].type_name.lower()}{index}")
-    _tie_within(layers)
-    return Stage(layers, start)
+    return build_chunks(specs, [(start, end)])[0]
+
+
+def build_chunks(specs: list[LayerSpec], spans: list[tuple[int, int]]) -> list[Stage]:
+    """Build the chunks ``specs[start:end]`` of one rank, sharing tied parameters between
+    all of their layers."""
+    chunks = []
+    for start, end in spans:
+        layers = [spec.build() for spec in specs[start:end]]
+        for index, layer in enumerate(layers, start):
+            ensure_meta(layer, f"{specs[index].type_name.lower()}{index}")
+        chunks.append(Stage(layers, start))
+    _tie_within([layer for chunk in chunks for layer in chunk.layers])
+    return chunks
 
 
 def _tie_within(layers: list[nn.Module]) -> None:

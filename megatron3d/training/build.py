@@ -30,7 +30,7 @@ from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.optim.optimizer import format_param_groups
 from megatron3d.pipeline.engine import PipelineEngine
 from megatron3d.pipeline.partition import format_partition_table, partition_layers
-from megatron3d.pipeline.spec import build_stage
+from megatron3d.pipeline.spec import VirtualStages, build_chunks
 from megatron3d.pipeline.tied import TiedWeights
 from megatron3d.training import memory
 from megatron3d.training.batch_schedule import BatchSchedule
@@ -72,7 +72,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     tied = TiedWeights(params, state.embedding)
     tied.broadcast_from_first_stage()
     data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp,
-                                        cfg.parallel, functools.partial(_counted, state), dev)
+                                        cfg.parallel, functools.partial(_counted, state), dev,
+                                        tuple(len(chunk.layers) for chunk in engine.chunks))
     if data_parallel.observer is not None:
         engine.observers.append(data_parallel.observer)
 
@@ -118,15 +119,19 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
     ``size`` names and counts the layers in the logged stage table."""
     specs = gpt_layer_specs(ctx)
     names, counts = [s.type_name for s in specs], layer_param_counts(ctx)
-    bounds = partition_layers(names, counts, state.pp.size, cfg.parallel.pp_partition_method)
-    logger.info(format_partition_table(bounds, size.labels, size.counts, size.tied))
-    stage = build_stage(specs, bounds[state.pp.rank], bounds[state.pp.rank + 1])
+    p, v = state.pp.size, cfg.parallel.virtual_size(cfg.model.num_layers)
+    bounds = partition_layers(names, counts, p, cfg.parallel.pp_partition_method, v)
+    logger.info(format_partition_table(bounds, size.labels, size.counts, size.tied, p))
+    spans = [(bounds[c * p + state.pp.rank], bounds[c * p + state.pp.rank + 1])
+             for c in range(v)]  # chunk c is virtual stage c * p + rank
+    chunks = build_chunks(specs, spans)
+    stage = chunks[0] if v == 1 else VirtualStages(chunks)
     tp = state.tp.size if cfg.parallel.sequence_parallel else 1
     shape = (cfg.model.seq_length // tp, cfg.training.micro_batch_size, cfg.model.hidden_size)
     return PipelineEngine(
         stage, state.pp, lambda out, batch: lm_loss(out, batch.labels, batch.loss_mask, ctx),
         activation_shape=shape, dtype=ctx.params_dtype, device=ctx.device,
-        schedule=cfg.parallel.pipeline_schedule)
+        schedule=cfg.parallel.pipeline_schedule, chunks=v)
 
 
 def _counted(state: ParallelState, p: nn.Parameter) -> bool:

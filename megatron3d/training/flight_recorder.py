@@ -90,18 +90,20 @@ class FlightRecorder:
 
 
 def describe_instruction(instruction: Instruction | None) -> str:
-    """Compact schedule notation: F3 / B3 / X(send F3, recv B1); '-' outside a program."""
-    if isinstance(instruction, Forward):
-        return f"F{instruction.micro_batch}"
-    if isinstance(instruction, Backward):
-        return f"B{instruction.micro_batch}"
+    """Compact schedule notation: F3 / B3 / X(send F3, recv B1), with ``@c`` for a model
+    chunk c > 0 under interleaving (F3@1); '-' outside a program."""
+    if isinstance(instruction, Forward | Backward):
+        kind = "F" if isinstance(instruction, Forward) else "B"
+        return kind + _work(instruction.micro_batch, instruction.chunk)
     if isinstance(instruction, Exchange):
-        parts = [f"{verb} {d}{mb}" for verb, d, mb in (
-            ("send", "F", instruction.send_forward), ("recv", "F", instruction.recv_forward),
-            ("send", "B", instruction.send_backward), ("recv", "B", instruction.recv_backward))
-            if mb is not None]
+        parts = [f"{name.split('_')[0]} {'F' if name.endswith('forward') else 'B'}"
+                 f"{_work(mb, chunk)}" for name, mb, chunk in instruction.transfers()]
         return "X(" + ", ".join(parts) + ")"
     return "-"
+
+
+def _work(mb: int, chunk: int) -> str:
+    return f"{mb}@{chunk}" if chunk else str(mb)
 
 
 def _as_dict(op: Op) -> dict[str, Any]:

@@ -14,9 +14,11 @@ with h = hidden size, s = sequence length, f = MLP inner size (``ffn_size``):
 and once per token for the LM head 2 * h * V (V = padded vocabulary). Multiplied by the
 B * s tokens of a global batch this is the forward count F = F_layers + F_head.
 
-The backward pass costs twice the forward, so model FLOPs = 3 F. Activation checkpointing runs
-each transformer layer's forward once more (the head is not recomputed), so the hardware
-count is 4 F_layers + 3 F_head. For a 4h GeLU MLP that hardware count equals
+The backward pass costs twice the forward, so model FLOPs = 3 F. Full recompute (activation
+checkpointing) runs each transformer layer's forward once more (the head is not recomputed),
+so the hardware count is 4 F_layers + 3 F_head. Selective recompute re-runs only the attention
+core: the scores and attention x values products, 4 * s * h per token and layer, once more
+(its softmax and dropout are not matmuls). For a 4h GeLU MLP the full-recompute count equals
 BigScience/Narayanan's ``96 B s L h^2 (1 + s/(6h) + V/(16 L h))`` exactly. Their formula with
 c = 3 (no checkpointing) scales the head term too and gives 4.5 B s h V instead of the true
 6 B s h V, which is why we count per operation rather than plug c into that formula.
@@ -53,16 +55,20 @@ class Throughput:
     mfu_percent: float | None
 
 
+def attention_core_flops_per_token(model_cfg: ModelConfig) -> int:
+    """Forward matmul FLOPs of one layer's attention core for one token: the scores Q K^T
+    and attention x values, 2 * s * h each (every query head attends, GQA or not)."""
+    return 2 * (2 * model_cfg.seq_length * model_cfg.hidden_size)
+
+
 def layer_forward_flops_per_token(model_cfg: ModelConfig) -> int:
     """Forward matmul FLOPs of one transformer layer for one token."""
-    h, s, f = model_cfg.hidden_size, model_cfg.seq_length, model_cfg.ffn_size
+    h, f = model_cfg.hidden_size, model_cfg.ffn_size
     kv = model_cfg.query_groups * model_cfg.head_dim  # = h without grouped-query attention
     qkv = 2 * h * (h + 2 * kv)
-    scores = 2 * s * h
-    attention_values = 2 * s * h
     projection = 2 * h * h
     mlp = 2 * h * f * (3 if model_cfg.swiglu else 2)
-    return qkv + scores + attention_values + projection + mlp
+    return qkv + attention_core_flops_per_token(model_cfg) + projection + mlp
 
 
 def flops_per_iteration(model_cfg: ModelConfig, global_batch_size: int,
@@ -72,8 +78,9 @@ def flops_per_iteration(model_cfg: ModelConfig, global_batch_size: int,
     layers = tokens * model_cfg.num_layers * layer_forward_flops_per_token(model_cfg)
     head = tokens * 2 * model_cfg.hidden_size * padded_vocab_size
     model = 3 * (layers + head)
-    recompute = layers if model_cfg.checkpoint_activations else 0
-    return FlopsCount(hardware=model + recompute, model=model)
+    recomputed = {"full": layers, "selective": tokens * model_cfg.num_layers
+                  * attention_core_flops_per_token(model_cfg), None: 0}
+    return FlopsCount(hardware=model + recomputed[model_cfg.recompute], model=model)
 
 
 def tflops_per_gpu(flops: float, seconds: float, world_size: int) -> float:

@@ -24,10 +24,12 @@ DataParallel = Zero01 | Zero3
 
 def build_data_parallel(params: list[nn.Parameter], layers: list[nn.Module], dp: AxisGroup,
                         parallel: ParallelConfig, counted: Counted,
-                        device: torch.device) -> DataParallel:
+                        device: torch.device, chunk_sizes: tuple[int, ...] = ()) -> DataParallel:
     """Bind ``params`` (a pipeline stage's, in layer order) to the buffers of ZeRO stage
-    ``parallel.zero_stage``; ``counted`` says which parameters this rank counts in the norm."""
+    ``parallel.zero_stage``; ``counted`` says which parameters this rank counts in the norm.
+    ``chunk_sizes``: layers per model chunk under interleaving (default: one chunk)."""
     wire = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32
     if parallel.zero_stage == 3:
-        return Zero3(layers, dp, parallel, counted, wire, device)
+        return Zero3(layers, dp, parallel, counted, wire, device,
+                     chunk_sizes or (len(layers),))
     return Zero01(params, layers, dp, parallel, counted, wire, device)

@@ -191,6 +191,18 @@ def test_a_rank_file_from_another_iteration_is_refused(copy, capsys):
              copy)
 
 
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("rank", 1, "(rank 1, meta.json says 0)"),
+    ("layout", {"world_size": 2, "tp": 2, "pp": 1, "dp": 1, "zero_stage": 0}, "(layout {"),
+])
+def test_a_rank_file_of_another_rank_or_layout_is_refused(copy, capsys, key, value, named):
+    path = copy / "iter_0000003" / "rank_00000.pt"
+    payload = torch.load(path, weights_only=True)
+    torch.save({**payload, key: value}, path)
+    _refused(train_argv("gpt2", 4, "--load", str(copy)), capsys,
+             f"rank_00000.pt belongs to another checkpoint {named}", copy)
+
+
 def test_rank_files_without_their_iteration_still_load(copy):
     """Files written before rank files carried their iteration, rank and layout."""
     path = copy / "iter_0000003" / "rank_00000.pt"

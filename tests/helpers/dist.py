@@ -1,9 +1,11 @@
 """Run a function on N gloo processes and collect what each rank returns.
 
-Why not a private torch test base: this stays small, starts workers with the "spawn" context
-(no inherited state), rendezvous through a ``file://`` store in a fresh temporary directory
-(no TCP port races between concurrent test runs), forwards every rank's exception with its
-traceback, and kills everything on a timeout instead of hanging the suite.
+Why not a private torch test base: this stays small, starts workers from a fork server that
+has imported torch and megatron3d once and run nothing (no inherited state, and no second of
+imports per worker: the suite starts a few hundred of them), rendezvous through a ``file://``
+store in a fresh temporary directory (no TCP port races between concurrent test runs),
+forwards every rank's exception with its traceback, and kills everything on a timeout instead
+of hanging the suite.
 
 ``fn`` must be importable (defined at module level); its arguments and return value must be
 picklable. Results travel as plain pickled bytes, so workers may exit right after replying.
@@ -89,6 +91,16 @@ def _check_deaths(procs: list, results: dict, dead_since: dict) -> None:
                             f"worker exited with code {proc.exitcode} without replying")
 
 
+_PRELOAD = ["torch", "torch.distributed", "megatron3d.training.build", "tests.helpers.runs"]
+
+
+def _context() -> Any:
+    """The fork-server context, its server importing ``_PRELOAD`` when first started."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                     timeout_s: float = 120.0, **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
@@ -97,7 +109,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     ``TimeoutError`` when the ranks are not all done within ``timeout_s``; in every case all
     workers are killed and the rendezvous directory removed before returning.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     tmpdir = tempfile.mkdtemp(prefix="m3d_dist_")
     init_file = os.path.join(tmpdir, "store")
     replies = ctx.Queue()

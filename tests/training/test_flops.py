@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -99,6 +100,20 @@ def test_llama_7b_checkpointing():
     count = flops_per_iteration(llama_7b(checkpoint=True), B, V)
     layers_forward = B * s * L * (8 * h * h + 4 * s * h + 6 * h * f)
     assert count.hardware - count.model == layers_forward
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recompute_granularity_counts_what_is_rerun(granularity):
+    """Full re-runs every layer's forward; selective only the attention core's two matmuls
+    (Q K^T and probabilities x V, 2 s h each per token), on top of the model count."""
+    B, s, L, h, f, V = 2048, 2048, 32, 4096, 11008, 32000
+    plain = flops_per_iteration(llama_7b(), B, V)
+    count = flops_per_iteration(replace(llama_7b(), recompute_granularity=granularity), B, V)
+    rerun = {"full": B * s * L * (8 * h * h + 4 * s * h + 6 * h * f),
+             "selective": B * s * L * 4 * s * h}[granularity]
+    assert count == FlopsCount(hardware=plain.model + rerun, model=plain.model)
+    if granularity == "full":  # the same as --checkpoint-activations
+        assert count == flops_per_iteration(llama_7b(checkpoint=True), B, V)
 
 
 def test_tflops_per_gpu():

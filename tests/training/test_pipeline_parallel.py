@@ -13,7 +13,7 @@ from tests.helpers.runs import assert_same_run, build, merge_ranks, reference_ru
 from tests.helpers.tiny import train_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
 
-STEPS = 10
+STEPS = 6
 COMMON = ("--clip-grad", "0.5", *EQUIVALENCE_FLAGS)
 
 

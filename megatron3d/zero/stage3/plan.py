@@ -2,11 +2,12 @@
 program, computed once before the program first runs and then replayed.
 
 The pipeline program (``pipeline/schedule.py``) fixes the order of every micro-batch's forward
-and backward on this stage, and a stage runs its layers in order, so the sequence of layer
-computations is known in advance. From it this module derives, as plain data, what to do at
-each *point* of the run: before and after each layer's forward, before each layer's backward,
-after each micro-batch's backward, and at the end of the program. The runtime
-(``runtime.py``) only executes the ops of the next point when a hook fires.
+and backward on this stage, and a stage (or, under interleaving, each of its chunks) runs its
+layers in order, so the sequence of layer computations is known in advance. From it this
+module derives, as plain data, what to do at each *point* of the run: before and after each
+layer's forward, before each layer's backward, after each micro-batch's backward, and at the
+end of the program. The runtime (``runtime.py``) only executes the ops of the next point when
+a hook fires.
 
 Rules:
 - A unit is gathered when a layer needs it and it is not resident. Pooled units share
@@ -63,10 +64,11 @@ class _Compute:
 
 
 def build_plan(program: list, needs: tuple[tuple[int, ...], ...], slot_of: dict[int, int],
-               pinned: frozenset[int], depth: int) -> Plan:
+               pinned: frozenset[int], depth: int, chunk_sizes: tuple[int, ...] = ()) -> Plan:
     """``needs[j]``: units layer j uses; ``slot_of``: each unit's buffer; ``pinned``: units
-    gathered once and kept until the end."""
-    points, computes = _timeline(program, len(needs))
+    gathered once and kept until the end; ``chunk_sizes``: layers per model chunk, in order
+    (interleaving; default one chunk of every layer)."""
+    points, computes = _timeline(program, chunk_sizes or (len(needs),))
     demands = _residency(points, computes, needs, slot_of, pinned)
     issued = 0
     for step, unit, free_at in demands:
@@ -80,15 +82,21 @@ def build_plan(program: list, needs: tuple[tuple[int, ...], ...], slot_of: dict[
     return Plan(tuple(points))
 
 
-def _timeline(program: list, num_layers: int) -> tuple[list[Point], list[_Compute]]:
+def _timeline(program: list,
+              chunk_sizes: tuple[int, ...]) -> tuple[list[Point], list[_Compute]]:
     points, computes = [Point(("begin",))], []
+    starts = [sum(chunk_sizes[:c]) for c in range(len(chunk_sizes))]
     for instruction in program:
+        if not isinstance(instruction, Forward | Backward):
+            continue
+        layers = range(starts[instruction.chunk],
+                       starts[instruction.chunk] + chunk_sizes[instruction.chunk])
         if isinstance(instruction, Forward):
-            for j in range(num_layers):
+            for j in layers:
                 points += [Point(("pre", j, False)), Point(("post", j))]
                 computes.append(_Compute(False, j, len(points) - 2, len(points) - 1))
-        elif isinstance(instruction, Backward):
-            for j in reversed(range(num_layers)):
+        else:
+            for j in reversed(layers):
                 points.append(Point(("pre", j, True)))
                 computes.append(_Compute(True, j, len(points) - 1, len(points)))
             points.append(Point(("tail",)))

@@ -36,8 +36,12 @@ from megatron3d.zero.stage3.units import stage_units
 
 class Zero3:
     def __init__(self, layers: list[nn.Module], dp: AxisGroup, parallel: ParallelConfig,
-                 counted: Counted, wire: torch.dtype, device: torch.device) -> None:
+                 counted: Counted, wire: torch.dtype, device: torch.device,
+                 chunk_sizes: tuple[int, ...]) -> None:
+        """``chunk_sizes``: how many of ``layers`` (in order) each model chunk holds; a
+        ``Forward``/``Backward`` of chunk c runs only its layers (interleaving)."""
         self.dp = dp
+        self.chunk_sizes = chunk_sizes
         self.units = stage_units(layers)
         groups = self.units.groups
         self.layout = FlatLayout([list(g) for g in groups], counted, dp.size)
@@ -95,7 +99,7 @@ class Zero3:
         key = tuple(program)
         if key not in self._plans:
             self._plans[key] = plan.build_plan(program, self.units.needs, self.slot_of,
-                                            self.pinned, self.depth)
+                                               self.pinned, self.depth, self.chunk_sizes)
         self._plan, self._cursor = self._plans[key], 0
         self._at(("begin",))
 
