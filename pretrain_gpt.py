@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron3d import device as devices
 from megatron3d.arguments import format_config, parse_command_line
-from megatron3d.checkpoint import manager as checkpoint
+from megatron3d.checkpoint.loading import with_checkpoint_args
 from megatron3d.checkpoint.safety import check_paths
 from megatron3d.config import TrainConfig
 from megatron3d.data.builder import check_sources_exist, parse_data_path
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()  # --exit-duration-in-mins counts start-up and loading too
     try:
         cfg, notices = parse_command_line(argv)
-        cfg = checkpoint.with_checkpoint_args(cfg)
+        cfg = with_checkpoint_args(cfg)
         env = devices.launch_env()  # after parsing, so --help works under any launcher
         if cfg.parallel.print_topology:  # a planning aid: only the layout must be valid
             table = Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,

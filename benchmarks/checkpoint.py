@@ -10,7 +10,7 @@ in ``--hidden``:
   barrier to the return (the save ends with a barrier, so this is the slowest rank's time).
 - load: a fresh trainer built with ``--load`` on the checkpoint just written, as a resumed run
   does. ``checkpoint.load`` inside the build is timed on its own (a wrapper around
-  ``megatron3d.checkpoint.manager.load``, which ``build_trainer`` calls); the whole build
+  ``megatron3d.checkpoint.loading.load``, which ``build_trainer`` calls); the whole build
   (model init + load) is shown next to it.
 
 Memory: the peak resident set size (RSS) of each process during the call, above its RSS when
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import spawn  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
 from megatron3d.arguments import parse_args  # noqa: E402
-from megatron3d.checkpoint import manager  # noqa: E402
+from megatron3d.checkpoint import loading  # noqa: E402
 from megatron3d.mpu.state import ParallelState  # noqa: E402
 from megatron3d.training.build import build_trainer  # noqa: E402
 from megatron3d.training.loop import Trainer  # noqa: E402
@@ -174,7 +174,7 @@ def _one_size(a: argparse.Namespace, hidden: int, layout: Layout, state: Paralle
 
     timed: dict[str, float] = {}
     load_mem = PeakRSS()
-    original = manager.load
+    original = loading.load
 
     def timed_load(*args, **kwargs):
         with load_mem:
@@ -183,11 +183,11 @@ def _one_size(a: argparse.Namespace, hidden: int, layout: Layout, state: Paralle
             timed["load"] = time.perf_counter() - begin
         return progress
 
-    manager.load = timed_load
+    loading.load = timed_load
     try:
         trainer, build_load_s = _build([*argv, "--load", str(directory)], state)
     finally:
-        manager.load = original
+        loading.load = original
     if "load" not in timed:
         raise RuntimeError(f"build_trainer did not call checkpoint.load on {directory}")
     del trainer

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from megatron3d.checkpoint import io as checkpoint_io
+from megatron3d.checkpoint import loading
 from megatron3d.checkpoint import manager as checkpoint
+from megatron3d.checkpoint.reader import find
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.log import TensorBoardWriter, every_rank_logger, get_logger
@@ -58,7 +60,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                              vocab_size=data.vocab_size))
-    lr_schedule = checkpoint.resume_schedule(cfg, LRSchedule.from_config(
+    lr_schedule = loading.resume_schedule(cfg, LRSchedule.from_config(
         cfg.optimizer, cfg.lr_schedule, train_samples, schedule.samples_for_iters,
         iteration_based=cfg.training.train_iters is not None))  # before the model: may refuse
     rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev)
@@ -165,12 +167,12 @@ def _resume(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
             optimizer: MixedPrecisionOptimizer, rng: RNGStreams) -> tuple[Progress, str]:
     """Where training starts (the --load checkpoint's position, or zero) and the series of
     checkpoints this run writes (the loaded one's when resuming, else a new one)."""
-    directory = checkpoint.find(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    directory = find(cfg.checkpoint.load) if cfg.checkpoint.load else None
     if directory is None:
         if cfg.checkpoint.load:
             logger.info("no checkpoint in %s: starting from scratch", cfg.checkpoint.load)
         return Progress(), checkpoint.Progress.new_series()
-    loaded = checkpoint.load(directory, cfg, state, params, optimizer, rng,
+    loaded = loading.load(directory, cfg, state, params, optimizer, rng,
                              weights_only=cfg.checkpoint.finetune)
     logger.info("loaded %s (iteration %d)", directory, loaded.iteration)
     return Progress(loaded.iteration, loaded.consumed_samples,

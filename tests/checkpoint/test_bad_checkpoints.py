@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron3d.checkpoint import io, manager
+from megatron3d.checkpoint import io, loading
 from megatron3d.mpu.random import RNGStreams
 from tests.helpers.tiny import train_argv
 
@@ -182,10 +182,10 @@ def test_checkpoints_with_numpy_rng_state_still_load(checkpoint, tmp_path):
     assert isinstance(legacy_read["numpy"][1], np.ndarray)
     rng = RNGStreams.create(1, 0, 0, torch.device("cpu"))
     np.random.seed(1)  # different states before each restore: equal after means restored
-    manager._restore_rng(rng, legacy_read)
+    loading._restore_rng(rng, legacy_read)
     from_legacy = np.random.get_state()
     np.random.seed(2)
-    manager._restore_rng(rng, io.read_rank(checkpoint / "iter_0000003", 0)["rng"])
+    loading._restore_rng(rng, io.read_rank(checkpoint / "iter_0000003", 0)["rng"])
     from_plain = np.random.get_state()
     assert from_legacy[0] == from_plain[0] and (from_legacy[1] == from_plain[1]).all()
     assert from_legacy[2:] == from_plain[2:]
