@@ -24,8 +24,8 @@ from megatron3d.log import get_logger, setup_logging
 from megatron3d.mpu import traffic
 from megatron3d.mpu.state import ParallelState
 from megatron3d.mpu.topology import Topology
+from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.training import memory
-from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.build import build_trainer, run_length, valid_samples
 from megatron3d.training.data_setup import dry_run
 from megatron3d.training.failure_board import PEER_EXIT_CODE, FailureBoard

@@ -12,19 +12,26 @@ in ``--hidden``:
   does. ``checkpoint.load`` inside the build is timed on its own (a wrapper around
   ``megatron3d.checkpoint.loading.load``, which ``build_trainer`` calls); the whole build
   (model init + load) is shown next to it.
+- load into another layout: the largest size trained one step at (TP, PP, DP) = (2, 2, 2)
+  ZeRO-1, saved with its chunk index and loaded into the same layout, then with one of TP,
+  PP, DP or the ZeRO stage changed, and into (4, 1, 2): ``checkpoint.load``'s time (slowest
+  rank, and as a ratio to the same-layout load), each rank's peak memory as a multiple of its
+  own shard (fp32 weights and both Adam moments, worst rank) and the rank files each opened.
 
 Memory: the peak resident set size (RSS) of each process during the call, above its RSS when
-the call starts. The kernel's high-water mark (``VmHWM``) is reset through
+the call starts, once the C heap gave its free memory back (``malloc_trim``: memory freed
+earlier and reused would hide growth). The kernel's high-water mark (``VmHWM``) is reset through
 ``/proc/self/clear_refs`` right before the call and read right after, so it covers every
 allocation (torch's tensor storage, pickling buffers, file pages mapped by ``torch.load``'s
 mmap), not only Python's allocator as tracemalloc would. Without a writable ``clear_refs``
 (not Linux) the lifetime peak from ``resource.getrusage`` is used and the header says so.
 
-No training step is taken: the Adam moments are zeros, which takes the same bytes on disk and
-the same time (torch.save does not compress). The checkpoint is read back right after it was
-written, so the load reads from the page cache, not the disk; the save includes fsync. Four
-ranks on a machine with fewer cores share them, so the 4-rank/1-rank time ratios are
-indicative only; the sizes do not depend on the machine.
+Above, no training step is taken: the Adam moments are zeros, which takes the same bytes on
+disk and the same time to save (torch.save does not compress), and a load skips them. The
+checkpoint is read back right after it was written, so the load reads from the page cache,
+not the disk; the save includes fsync. Up to eight ranks on a machine with fewer cores share
+them, so time ratios between rank counts are indicative only; the sizes do not depend on the
+machine.
 
     python benchmarks/checkpoint.py
     python benchmarks/checkpoint.py --hidden 256 1024 --layers 8 --dir /fast/scratch
@@ -33,6 +40,7 @@ indicative only; the sizes do not depend on the machine.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import re
@@ -59,6 +67,7 @@ from megatron3d.training.loop import Trainer  # noqa: E402
 from megatron3d.validation import validate  # noqa: E402
 
 MIB = 1024 * 1024
+_LIBC = ctypes.CDLL(None)
 
 
 @dataclass(frozen=True)
@@ -67,14 +76,20 @@ class Layout:
     tp: int
     dp: int
     zero_stage: int
+    pp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.pp * self.dp
 
 
 LAYOUTS = [Layout("1 rank", 1, 1, 0), Layout("DP=4 ZeRO-1", 1, 4, 1),
            Layout("TP=2 x DP=2 ZeRO-0", 2, 2, 0)]
+# A checkpoint saved at (TP, PP, DP) = (2, 2, 2) with ZeRO-1, loaded into each of these.
+SAVED = Layout("same layout", 2, 2, 1, pp=2)
+CHANGES = [SAVED, Layout("TP 2 -> 1", 1, 2, 1, pp=2), Layout("PP 2 -> 1", 2, 2, 1),
+           Layout("DP 2 -> 1", 2, 1, 1, pp=2), Layout("ZeRO 1 -> 3", 2, 2, 3, pp=2),
+           Layout("ZeRO 1 -> 0", 2, 2, 0, pp=2), Layout("(4, 1, 2)", 4, 2, 1)]
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,7 @@ class PeakRSS:
 
     def __enter__(self) -> PeakRSS:
         gc.collect()
+        getattr(_LIBC, "malloc_trim", lambda _: 0)(0)  # free heap reused would hide growth
         if self.exact:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         self.start = self._rss()
@@ -137,12 +153,13 @@ class PeakRSS:
 def _argv(a: argparse.Namespace, hidden: int, layout: Layout, directory: Path) -> list[str]:
     return ["--num-layers", str(a.layers), "--hidden-size", str(hidden),
             "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
-            "--micro-batch-size", str(a.micro_batch),
-            "--global-batch-size", str(a.micro_batch * layout.dp), "--train-iters", "1",
+            "--micro-batch-size", str(a.micro_batch),  # one batch for every DP size
+            "--global-batch-size", str(a.micro_batch * 4), "--train-iters", "1",
             "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data",
             "--vocab-size", str(a.vocab), "--hidden-dropout", "0", "--attention-dropout", "0",
             "--tensor-model-parallel-size", str(layout.tp),
-            "--zero-stage", str(layout.zero_stage), "--save", str(directory)]
+            "--pipeline-model-parallel-size", str(layout.pp), "--pp-partition-method",
+            "uniform", "--zero-stage", str(layout.zero_stage), "--save", str(directory)]
 
 
 def _build(argv: list[str], state: ParallelState) -> tuple[Trainer, float]:
@@ -172,40 +189,92 @@ def _one_size(a: argparse.Namespace, hidden: int, layout: Layout, state: Paralle
     gc.collect()
     dist.barrier()
 
-    timed: dict[str, float] = {}
-    load_mem = PeakRSS()
-    original = loading.load
-
-    def timed_load(*args, **kwargs):
-        with load_mem:
-            begin = time.perf_counter()
-            progress = original(*args, **kwargs)
-            timed["load"] = time.perf_counter() - begin
-        return progress
-
-    loading.load = timed_load
-    try:
-        trainer, build_load_s = _build([*argv, "--load", str(directory)], state)
-    finally:
-        loading.load = original
-    if "load" not in timed:
-        raise RuntimeError(f"build_trainer did not call checkpoint.load on {directory}")
+    trainer, build_load_s, load_s, load_peak, _ = _load(argv, directory, state)
     del trainer
     gc.collect()
     dist.barrier()
     if state.world_rank == 0:
         shutil.rmtree(directory)
     dist.barrier()
-    return Measured(params, file_bytes, dir_bytes, save_s, save_mem.peak, timed["load"],
-                    build_load_s, load_mem.peak)
+    return Measured(params, file_bytes, dir_bytes, save_s, save_mem.peak, load_s,
+                    build_load_s, load_peak)
+
+
+def _load(argv: list[str], directory: Path,
+          state: ParallelState) -> tuple[Trainer, float, float, int, int]:
+    """A trainer built with ``--load directory``, as a resumed run does: it, the build's and
+    ``checkpoint.load``'s seconds, the load's peak memory and the rank files it opened."""
+    timed: dict[str, float] = {}
+    load_mem, opened = PeakRSS(), []
+    original_load, original_read = loading.load, torch.load
+
+    def timed_load(*args, **kwargs):
+        with load_mem:
+            begin = time.perf_counter()
+            progress = original_load(*args, **kwargs)
+            timed["load"] = time.perf_counter() - begin
+        return progress
+
+    def counted_read(f, *args, **kwargs):
+        opened.append(f)
+        return original_read(f, *args, **kwargs)
+
+    loading.load, torch.load = timed_load, counted_read
+    try:
+        trainer, build_load_s = _build([*argv, "--load", str(directory)], state)
+    finally:
+        loading.load, torch.load = original_load, original_read
+    if "load" not in timed:
+        raise RuntimeError(f"build_trainer did not call checkpoint.load on {directory}")
+    return trainer, build_load_s, timed["load"], load_mem.peak, len(opened)
 
 
 def _measure(a: argparse.Namespace, layout: Layout, root: str) -> tuple[str, bool, list]:
     """One rank of ``layout``: every size in turn."""
-    state = ParallelState.build(layout.tp, 1)
+    state = ParallelState.build(layout.tp, layout.pp)
     exact = PeakRSS().exact
     results = [_one_size(a, hidden, layout, state, Path(root)) for hidden in a.hidden]
     return devices.describe(torch.device("cpu")), exact, results
+
+
+def _save_for_changes(a: argparse.Namespace, directory: str) -> None:
+    """One rank of ``SAVED``: the largest size trained one step (so that the Adam moments
+    are loaded too) and saved (with its chunk index)."""
+    state = ParallelState.build(SAVED.tp, SAVED.pp)
+    trainer, _ = _build([*_argv(a, a.hidden[-1], SAVED, Path(directory)), "--eval-iters", "0"],
+                        state)
+    trainer.run()
+
+
+def _load_changed(a: argparse.Namespace, layout: Layout,
+                  directory: str) -> tuple[float, int, int, int]:
+    """One rank of ``layout`` loading that checkpoint: seconds, peak bytes, the bytes of its
+    own shard (fp32 weights and both Adam moments) and the rank files it opened."""
+    state = ParallelState.build(layout.tp, layout.pp)
+    argv = _argv(a, a.hidden[-1], layout, Path(directory))
+    trainer, _, load_s, peak, opened = _load(argv, Path(directory), state)
+    return load_s, peak, 12 * trainer.optimizer.shard.numel, opened
+
+
+def _changes_table(a: argparse.Namespace, root: str) -> list[str]:
+    directory = f"{root}/changes"
+    spawn(_save_for_changes, SAVED.world, a, directory, timeout_s=600.0)
+    lines = [f"load into another layout: hidden {a.hidden[-1]}, saved at (TP, PP, DP) = "
+             f"({SAVED.tp}, {SAVED.pp}, {SAVED.dp}) ZeRO-{SAVED.zero_stage}; per rank, "
+             "worst of the ranks",
+             f"  {'into':<14} {'TP PP DP ZeRO':>13} {'load s':>7} {'/ same':>6} "
+             f"{'peak/own shard':>14} {'own shard':>10} {'files opened':>12}"]
+    same = 0.0
+    for layout in CHANGES:
+        ranks = spawn(_load_changed, layout.world, a, layout, directory, timeout_s=600.0)
+        load_s = max(r[0] for r in ranks)
+        same = same or load_s
+        lines.append(
+            f"  {layout.name:<14} {layout.tp:>2} {layout.pp:>2} {layout.dp:>2} "
+            f"{layout.zero_stage:>5} {load_s:>7.3f} {_ratio(load_s, same):>6} "
+            f"{max(r[1] / r[2] for r in ranks):>13.2f}x {max(r[2] for r in ranks) / MIB:>6.1f} "
+            f"MiB {min(r[3] for r in ranks):>5}-{max(r[3] for r in ranks)} of {SAVED.world}")
+    return lines
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -289,8 +358,8 @@ def main() -> None:
                 machine, exact = replies[0][0], replies[0][1]
                 out.write(f"machine (each rank, gloo on CPU): {machine}; main process: "
                           f"{devices.describe(torch.device('cpu'))}; up to "
-                          f"{max(x.world for x in LAYOUTS)} ranks share {os.cpu_count()} "
-                          "cores\n")
+                          f"{max(x.world for x in LAYOUTS + CHANGES)} ranks share "
+                          f"{os.cpu_count()} cores\n")
                 out.write("memory: " + (
                     "peak RSS above the call's start, per process (VmHWM reset via "
                     "/proc/self/clear_refs)" if exact else
@@ -302,10 +371,12 @@ def main() -> None:
                           "(page cache); save includes fsync\n")
             by_layout[layout.name] = [r for _, _, r in replies]
             out.flush()
+        changes = _changes_table(a, root)
     for i, hidden in enumerate(a.hidden):
         rows = {name: _row([ranks[i] for ranks in per_rank])
                 for name, per_rank in by_layout.items()}
         out.write("\n".join(_table(hidden, rows)) + "\n")
+    out.write("\n".join(changes) + "\n")
     out.write(f"wall time: {time.perf_counter() - start:.1f} s\n")
 
 

@@ -99,8 +99,8 @@ TABLE: tuple[CompatFlag, ...] = (
     *_notice("--use-mcore-models --use-legacy-models", "there is one model implementation"),
     *_notice("--transformer-impl", "megatron3d's own transformer layers (no Transformer "
              "Engine)", nargs=1),
-    *_notice("--use-cpu-initialization", "weights are always drawn from the seed as whole "
-             "tensors and sliced, whatever the layout"),
+    *_notice("--use-cpu-initialization", "each rank draws its slices of the weights on its "
+             "own device, the same values whatever the layout"),
     *_notice("--attention-softmax-in-fp32", "the softmax precision is SDPA's (fp32 accumulation "
              "in its fused GPU kernels)"),
     *_notice("--apply-query-key-layer-scaling --no-query-key-layer-scaling",
@@ -142,7 +142,6 @@ TABLE: tuple[CompatFlag, ...] = (
     *_refuse("--no-save-optim --no-save-rng", "checkpoints always hold the optimizer and RNG "
              "states so that a resume is exact; tools/checkpoint/consolidate.py writes the "
              "weights alone"),
-    *_refuse("--async-save", "checkpoints are saved synchronously; drop the flag"),
     *_refuse("--fp32-residual-connection --apply-layernorm-1p --init-method-xavier-uniform "
              "--reset-position-ids --reset-attention-mask --data-parallel-random-init "
              "--checkpoint-in-cpu --partition-activations", "not supported by megatron3d: "

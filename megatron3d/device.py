@@ -101,6 +101,14 @@ def synchronize(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Host memory that device -> host copies fill while the device runs on: pinned
+    (page-locked, so ``copy_(non_blocking=True)`` into it is a DMA the host need not wait for)
+    when an accelerator is present, plain memory on CPU. torch's pinned allocator rounds the
+    size up to a power of two; callers allocate once and reuse."""
+    return torch.empty(shape, dtype=dtype, pin_memory=accelerator_available())
+
+
 def peak_tflops(dev: torch.device) -> float | None:
     """Known dense bf16 peak of the device, or None (CPU, unknown GPU)."""
     if dev.type != "cuda":

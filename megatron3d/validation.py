@@ -1,35 +1,49 @@
-"""Every cross-field check of a ``TrainConfig``, run before any process group exists.
+"""Every check of a ``TrainConfig`` that can run before any process group exists.
 
 A bad run should fail in the first second with one line saying what is wrong, the value and
 the fix, not after minutes of start-up or, worse, train something other than what was asked.
-Each problem raises ``ConfigError("<what is wrong> (<flag>=<value>): <how to fix>")``.
-Checks run in order (required values, ranges, combinations, layout, batch), so a later check
-may rely on an earlier one: e.g. ``hidden % heads`` runs after ``heads >= 1``. Rules that
-have an owner (the batch schedule, the partitioner, the interleaved schedule, the data split)
-are asked, not restated.
+Each rule is made in one place. Range limits are field metadata (``config.Range``, shown in
+``--help``) checked here generically; rules with an owner are asked, never restated: the rank
+grid (``Topology``), the batch schedule and its whole rampup (``BatchSchedule``), the
+learning-rate schedule (``LRSchedule``), the data split, the tokenizer's flags
+(``TokenizerSpec``), the interleaved schedule and the pipeline partitioner (run on the real
+layer list, so too many stages fail here, not after the processes started). What is left
+below are the true cross-field rules nobody else owns. They raise
+``ConfigError("<what is wrong> (<flag>=<value>): <how to fix>")``, in order, so a later check
+may rely on an earlier one (``hidden % heads`` runs after ``heads >= 1``).
 
-``--global-batch-size`` may be left unset: it then means micro batch size x data-parallel
-size (Megatron's default). The data-parallel size depends on the world size, which is
-unknown while parsing, so the config keeps ``None`` and ``resolved_global_batch_size``
-gives the value once the world size is known.
+``tools/plan_topology.py`` calls ``validate`` on every layout it considers, so a layout it
+calls feasible is one ``pretrain_gpt.py`` accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
-from megatron3d.config import SECTIONS, ZERO_STAGES, Range, TrainConfig, flat_fields
-from megatron3d.data.builder import parse_split
-from megatron3d.errors import ConfigError
-from megatron3d.pipeline.interleaved import check_interleaving
-from megatron3d.pipeline.partition import layer_weights
-from megatron3d.training.batch_schedule import BatchSchedule
-
-_REQUIRED = (
-    "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr",
+from megatron3d.config import (
+    SECTIONS,
+    ZERO_STAGES,
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    PrecisionConfig,
+    Range,
+    TrainConfig,
 )
+from megatron3d.data.builder import parse_split
+from megatron3d.data.tokenizer import TokenizerSpec
+from megatron3d.errors import ConfigError
+from megatron3d.model.context import LayerContext
+from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts
+from megatron3d.mpu.state import AxisGroup
+from megatron3d.mpu.topology import Topology
+from megatron3d.optim.batch_schedule import BatchSchedule
+from megatron3d.optim.lr_schedule import LRSchedule
+from megatron3d.pipeline.interleaved import check_interleaving
+from megatron3d.pipeline.partition import partition_layers
 
 
 def flag(name: str) -> str:
@@ -38,100 +52,48 @@ def flag(name: str) -> str:
 
 
 def _error(what: str, values: dict[str, Any], fix: str) -> ConfigError:
-    """The one-line message every check raises: what, the offending values, the fix."""
+    """The one-line message every check here raises: what, the offending values, the fix."""
     shown = ", ".join(f"{flag(name)}={value}" for name, value in values.items())
     return ConfigError(f"{what} ({shown}): {fix}")
 
 
-def _help(name: str) -> str:
-    for cls in SECTIONS.values():
-        for field in dataclasses.fields(cls):
-            if field.name == name:
-                return field.metadata["help"].rstrip(".")
-    raise KeyError(name)
-
-
-def resolved_global_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """``--global-batch-size``, or micro batch size x data-parallel size when it is unset."""
-    if cfg.training.global_batch_size is not None:
-        return cfg.training.global_batch_size
-    return cfg.training.micro_batch_size * cfg.parallel.data_parallel_size(world_size)
-
-
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Raise ``ConfigError`` for the first problem in ``cfg`` run on ``world_size`` ranks."""
-    values = flat_fields(cfg)
-    _check_required(values)
-    _check_data(values)
+    _check_required(cfg)
     _check_ranges(cfg)
-    _check_run_length(values)
-    _check_model(values)
-    _check_precision(values)
-    _check_optimizer(values)
-    _check_warmup(values)
+    _check_data(cfg.data, cfg.model)
+    _check_model(cfg.model)
+    _check_precision(cfg.precision)
     _check_layout(cfg, world_size)
-    _check_batch(cfg, world_size)
-    _check_checkpoint(values)
+    _check_schedules(cfg, world_size)
+    _check_partition(cfg)
+    _check_checkpoint(cfg.checkpoint, cfg.lr_schedule.override_opt_param_scheduler,
+                      cfg.lr_schedule.use_checkpoint_opt_param_scheduler,
+                      cfg.training.skip_train)
     _check_zero(cfg)
-    _check_watchdog(values)
+    _check_watchdog(cfg)
 
 
-def _check_required(values: dict[str, Any]) -> None:
-    for name in _REQUIRED:
-        if values[name] is None:
-            raise _error(
-                "required value missing", {name: None},
-                f"pass {flag(name)} ({_help(name).lower()})",
-            )
-    if (values["train_iters"] is None) == (values["train_samples"] is None):
-        raise _error(
-            "give exactly one run length",
-            {"train_iters": values["train_iters"], "train_samples": values["train_samples"]},
-            "pass either --train-iters (optimizer steps) or --train-samples, not both",
-        )
+def _check_required(cfg: TrainConfig) -> None:
+    model, training = cfg.model, cfg.training
+    required = {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
+                "num_attention_heads": model.num_attention_heads,
+                "seq_length": model.seq_length, "micro_batch_size": training.micro_batch_size,
+                "lr": cfg.optimizer.lr}
+    for name, value in required.items():
+        if value is None:
+            raise _error("required value missing", {name: None},
+                         f"pass {flag(name)} ({_help(name).lower()})")
+    if (training.train_iters is None) == (training.train_samples is None):
+        raise _error("give exactly one run length", {"train_iters": training.train_iters,
+                                                      "train_samples": training.train_samples},
+                     "pass either --train-iters (optimizer steps) or --train-samples, not both")
 
 
-def _check_data(values: dict[str, Any]) -> None:
-    parse_split(values["split"])  # its owner's check, before any process starts
-    sources = {n: values[n] for n in ("mock_data", "data_path", "data_path_file") if values[n]}
-    if len(sources) != 1:
-        raise _error(
-            "give exactly one training data source", sources or {"mock_data": False},
-            "pass one of --mock-data, --data-path PREFIX or --data-path-file FILE",
-        )
-    if values["mock_data"]:
-        for name in ("tokenizer_type", "eod_mask_loss", "dry_run_data"):
-            if values[name]:
-                raise _error(f"--mock-data has no tokenizer, so {flag(name)} does not apply",
-                             {name: values[name]}, f"drop {flag(name)} or use --data-path")
-        if values["vocab_size"] is None:
-            raise _error("--mock-data needs a vocabulary size", {"vocab_size": None},
-                         "pass --vocab-size, e.g. --vocab-size 50257")
-        return
-    _check_tokenizer(values)
-
-
-_TOKENIZER_FILES = {
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-    "PretrainedFromHF": ("tokenizer_name_or_path",),
-    "NullTokenizer": ("vocab_size",),
-}
-
-
-def _check_tokenizer(values: dict[str, Any]) -> None:
-    kind = values["tokenizer_type"]
-    if kind is None:
-        raise _error("real data needs the tokenizer it was made with", {"tokenizer_type": None},
-                     f"pass --tokenizer-type (one of {', '.join(_TOKENIZER_FILES)})")
-    for name in _TOKENIZER_FILES[kind]:
-        if values[name] is None:
-            raise _error(f"{kind} needs {flag(name)}", {name: None, "tokenizer_type": kind},
-                         f"pass {flag(name)}")
-    if kind != "NullTokenizer" and values["vocab_size"] is not None:
-        raise _error("the tokenizer sets the vocabulary size", {
-            "vocab_size": values["vocab_size"], "tokenizer_type": kind},
-            "drop --vocab-size (--make-vocab-size-divisible-by controls the padding)")
+def _help(name: str) -> str:
+    """A field's help text, for "pass --flag (what it is)"."""
+    return next(f.metadata["help"].rstrip(".") for cls in SECTIONS.values()
+                for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _check_ranges(cfg: TrainConfig) -> None:
@@ -159,66 +121,90 @@ def _words(bounds: Range, symbols: bool = False) -> str:
     return f"{'greater than' if bounds.low_open else 'at least'} {bounds.low}"
 
 
-def _check_run_length(values: dict[str, Any]) -> None:
-    """Megatron keeps iteration-based and sample-based LR flags apart; so do we. The batch
-    rampup works with either (it is a function of consumed samples)."""
-    if values["train_samples"] is not None:
-        mixed = {"lr_decay_iters": values["lr_decay_iters"] is not None,
-                 "lr_warmup_iters": values["lr_warmup_iters"] > 0}
-        other, kind = "train_samples", "sample"
-    else:
-        mixed = {"lr_decay_samples": values["lr_decay_samples"] is not None,
-                 "lr_warmup_samples": values["lr_warmup_samples"] > 0}
-        other, kind = "train_iters", "iteration"
-    for name, given in mixed.items():
-        if given:
-            raise _error(
-                f"{flag(name)} cannot be combined with {kind}-based training",
-                {name: values[name], other: values[other]},
-                f"use only {kind}-based flags with {flag(other)}",
-            )
+def _check_data(data: DataConfig, model: ModelConfig) -> None:
+    parse_split(data.split)  # its owner's check, before any process starts
+    sources = {name: value for name, value in (("mock_data", data.mock_data),
+                                               ("data_path", data.data_path),
+                                               ("data_path_file", data.data_path_file)) if value}
+    if len(sources) != 1:
+        raise _error("give exactly one training data source", sources or {"mock_data": False},
+                     "pass one of --mock-data, --data-path PREFIX or --data-path-file FILE")
+    if not data.mock_data:
+        _check_tokenizer(data, model)
+        return
+    for name, value in (("tokenizer_type", data.tokenizer_type),
+                        ("eod_mask_loss", data.eod_mask_loss), ("dry_run_data", data.dry_run_data)):
+        if value:
+            raise _error(f"--mock-data has no tokenizer, so {flag(name)} does not apply",
+                         {name: value}, f"drop {flag(name)} or use --data-path")
+    if model.vocab_size is None:
+        raise _error("--mock-data needs a vocabulary size", {"vocab_size": None},
+                     "pass --vocab-size, e.g. --vocab-size 50257")
 
 
-def _check_model(values: dict[str, Any]) -> None:
-    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+def _check_tokenizer(data: DataConfig, model: ModelConfig) -> None:
+    """Real data needs its tokenizer and exactly the flags that tokenizer reads (the
+    tokenizer's own table, ``TokenizerSpec.unused_flags``)."""
+    kind = data.tokenizer_type
+    if kind is None:
+        raise _error("real data needs the tokenizer it was made with", {"tokenizer_type": None},
+                     "pass --tokenizer-type")
+    spec = TokenizerSpec(kind, tokenizer_model=data.tokenizer_model,
+                         vocab_file=data.vocab_file, merge_file=data.merge_file,
+                         tokenizer_name_or_path=data.tokenizer_name_or_path,
+                         vocab_size=model.vocab_size)
+    for name in _tokenizer_fields():
+        value = getattr(spec, name)
+        if flag(name) in spec.unused_flags():
+            raise _error(f"{kind} does not use {flag(name)}", {name: value, "tokenizer_type": kind},
+                         f"drop {flag(name)} or pick the tokenizer type it belongs to")
+        if value is None and flag(name) not in _unused_when_all_given(kind):
+            raise _error(f"{kind} needs {flag(name)}", {name: None, "tokenizer_type": kind},
+                         f"pass {flag(name)}")
+
+
+def _tokenizer_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(TokenizerSpec) if f.name != "tokenizer_type"]
+
+
+def _unused_when_all_given(kind: str) -> list[str]:
+    """The flags tokenizer ``kind`` never reads: what ``unused_flags`` names when every flag
+    is given, so the tokenizer's table is read, not copied."""
+    return TokenizerSpec(kind, **dict.fromkeys(_tokenizer_fields(), "given")).unused_flags()
+
+
+def _check_model(model: ModelConfig) -> None:
+    hidden, heads = model.hidden_size, model.num_attention_heads
     if hidden % heads:
-        raise _error(
-            "hidden size is not divisible by the attention heads",
-            {"hidden_size": hidden, "num_attention_heads": heads},
-            "pick a head count that divides --hidden-size",
-        )
-    if values["kv_channels"] not in (None, hidden // heads):
+        raise _error("hidden size is not divisible by the attention heads",
+                     {"hidden_size": hidden, "num_attention_heads": heads},
+                     "pick a head count that divides --hidden-size")
+    if model.kv_channels not in (None, hidden // heads):
         raise _error(
             "--kv-channels must be hidden size / heads: every head here has that many channels",
-            {"kv_channels": values["kv_channels"], "hidden_size": hidden,
+            {"kv_channels": model.kv_channels, "hidden_size": hidden,
              "num_attention_heads": heads},
-            f"drop --kv-channels or set it to {hidden // heads}",
-        )
-    _check_query_groups(values)
-    position = values["position_embedding_type"]
-    if position == "rope" and (hidden // heads) % 2:
-        raise _error(
-            f"rotary embeddings need an even head dimension, got {hidden // heads}",
-            {"hidden_size": hidden, "num_attention_heads": heads},
-            "change --hidden-size or --num-attention-heads so hidden/heads is even",
-        )
-    seq = values["seq_length"]
-    max_positions = values["max_position_embeddings"] or seq  # unset means --seq-length
-    if position == "learned_absolute" and max_positions < seq:
-        raise _error(
-            "the learned position table is shorter than a sample",
-            {"max_position_embeddings": max_positions, "seq_length": seq},
-            "raise --max-position-embeddings to at least --seq-length",
-        )
-    if values["checkpoint_activations"] and values["recompute_granularity"] == "selective":
+            f"drop --kv-channels or set it to {hidden // heads}")
+    _check_query_groups(model)
+    if model.position_embedding_type == "rope" and model.head_dim % 2:
+        raise _error(f"rotary embeddings need an even head dimension, got {model.head_dim}",
+                     {"hidden_size": hidden, "num_attention_heads": heads},
+                     "change --hidden-size or --num-attention-heads so hidden/heads is even")
+    if (model.position_embedding_type == "learned_absolute"
+            and model.max_positions < model.seq_length):
+        raise _error("the learned position table is shorter than a sample",
+                     {"max_position_embeddings": model.max_positions,
+                      "seq_length": model.seq_length},
+                     "raise --max-position-embeddings to at least --seq-length")
+    if model.checkpoint_activations and model.recompute_granularity == "selective":
         raise _error("--checkpoint-activations is full recompute", {
             "checkpoint_activations": True, "recompute_granularity": "selective"},
             "keep one of the two")
 
 
-def _check_query_groups(values: dict[str, Any]) -> None:
-    groups, heads = values["num_query_groups"], values["num_attention_heads"]
-    if not values["group_query_attention"]:
+def _check_query_groups(model: ModelConfig) -> None:
+    groups, heads = model.num_query_groups, model.num_attention_heads
+    if not model.group_query_attention:
         if groups is not None:
             raise _error("--num-query-groups needs --group-query-attention",
                          {"num_query_groups": groups}, "add --group-query-attention or drop it")
@@ -229,68 +215,25 @@ def _check_query_groups(values: dict[str, Any]) -> None:
                      "pass --num-query-groups G with G dividing --num-attention-heads")
 
 
-def _check_precision(values: dict[str, Any]) -> None:
-    if values["bf16"] and values["fp16"]:
-        raise _error(
-            "bf16 and fp16 are mutually exclusive", {"bf16": True, "fp16": True},
-            "pass at most one of --bf16 and --fp16",
-        )
-    if values["loss_scale"] is not None and not values["fp16"]:
-        raise _error(
-            "a loss scale only applies to fp16 training",
-            {"loss_scale": values["loss_scale"], "fp16": False},
-            "drop --loss-scale or add --fp16",
-        )
-    if values["min_loss_scale"] > values["initial_loss_scale"]:
-        raise _error(
-            "the minimum loss scale exceeds the initial one",
-            {"min_loss_scale": values["min_loss_scale"],
-             "initial_loss_scale": values["initial_loss_scale"]},
-            "lower --min-loss-scale or raise --initial-loss-scale",
-        )
-
-
-def _check_optimizer(values: dict[str, Any]) -> None:
-    if values["min_lr"] > values["lr"]:
-        raise _error(
-            "the minimum learning rate exceeds the peak",
-            {"min_lr": values["min_lr"], "lr": values["lr"]},
-            "lower --min-lr to at most --lr",
-        )
-
-
-def _check_warmup(values: dict[str, Any]) -> None:
-    given = {
-        name: values[name]
-        for name in ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction")
-        if values[name]  # 0 and None mean "not given"
-    }
-    if len(given) > 1:
-        raise _error("more than one warmup length given", given, "keep only one of them")
-    if values["train_iters"] is not None:
-        warmup, decay_name = "lr_warmup_iters", "lr_decay_iters"
-        decay_name = decay_name if values[decay_name] is not None else "train_iters"
-    else:
-        warmup, decay_name = "lr_warmup_samples", "lr_decay_samples"
-        decay_name = decay_name if values[decay_name] is not None else "train_samples"
-    if values[warmup] and values[warmup] >= values[decay_name]:
-        raise _error(
-            "warmup must be shorter than the learning-rate decay",
-            {warmup: values[warmup], decay_name: values[decay_name]},
-            f"shorten {flag(warmup)} to less than {flag(decay_name)}",
-        )
+def _check_precision(precision: PrecisionConfig) -> None:
+    if precision.bf16 and precision.fp16:
+        raise _error("bf16 and fp16 are mutually exclusive", {"bf16": True, "fp16": True},
+                     "pass at most one of --bf16 and --fp16")
+    if precision.loss_scale is not None and not precision.fp16:
+        raise _error("a loss scale only applies to fp16 training",
+                     {"loss_scale": precision.loss_scale, "fp16": False},
+                     "drop --loss-scale or add --fp16")
+    if precision.min_loss_scale > precision.initial_loss_scale:
+        raise _error("the minimum loss scale exceeds the initial one",
+                     {"min_loss_scale": precision.min_loss_scale,
+                      "initial_loss_scale": precision.initial_loss_scale},
+                     "lower --min-loss-scale or raise --initial-loss-scale")
 
 
 def _check_layout(cfg: TrainConfig, world_size: int) -> None:
     parallel = cfg.parallel
-    tp, mp = parallel.tensor_model_parallel_size, parallel.model_parallel_size
-    if world_size < 1 or world_size % mp:
-        raise _error(
-            f"world size {world_size} is not a positive multiple of TP x PP = {mp}",
-            {"tensor_model_parallel_size": tp,
-             "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size},
-            "launch a multiple of TP x PP processes or change the parallel sizes",
-        )
+    tp = parallel.tensor_model_parallel_size
+    Topology(world_size, tp, parallel.pipeline_model_parallel_size)  # the rank grid's owner
     sizes = [("num_attention_heads", cfg.model.num_attention_heads),
              ("num_query_groups", cfg.model.query_groups),
              ("ffn_hidden_size", cfg.model.ffn_size)]
@@ -298,55 +241,78 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
         sizes.append(("seq_length", cfg.model.seq_length))
     for name, size in sizes:
         if size % tp:
-            raise _error(
-                f"{flag(name)} {size} is not divisible by the tensor-parallel size",
-                {name: size, "tensor_model_parallel_size": tp},
-                f"pick a --tensor-model-parallel-size that divides {size}",
-            )
+            raise _error(f"{flag(name)} {size} is not divisible by the tensor-parallel size",
+                         {name: size, "tensor_model_parallel_size": tp},
+                         f"pick a --tensor-model-parallel-size that divides {size}")
     if parallel.zero_stage not in ZERO_STAGES:
-        raise _error(
-            "unknown ZeRO stage", {"zero_stage": parallel.zero_stage},
-            "use --zero-stage 0, 1 or 3",
-        )
-    layer_weights([], [], parallel.pp_partition_method)  # the partitioner's own check
+        raise _error("unknown ZeRO stage", {"zero_stage": parallel.zero_stage},
+                     "use --zero-stage 0, 1 or 3")
 
 
-def _check_batch(cfg: TrainConfig, world_size: int) -> None:
+def _check_schedules(cfg: TrainConfig, world_size: int) -> None:
+    """The owners of the batch schedule (its whole ramp), the interleaved pipeline schedule
+    (micro-batches per step at every ramp size) and the learning-rate schedule decide."""
     training = cfg.training
     dp = cfg.parallel.data_parallel_size(world_size)
-    unit = training.micro_batch_size * dp
-    gbs = resolved_global_batch_size(cfg, world_size)
-    if gbs % unit:
-        raise _error(
-            f"global batch size is not a multiple of micro batch size x DP = "
-            f"{training.micro_batch_size} x {dp} = {unit}",
-            {"global_batch_size": gbs, "micro_batch_size": training.micro_batch_size},
-            f"use a multiple of {unit}, e.g. {_nearest_multiples(gbs, unit)}",
-        )
-    schedule = BatchSchedule(gbs, training.micro_batch_size, dp, training.rampup_batch_size)
-    schedule.validate()
-    check_interleaving(cfg.parallel, cfg.model.num_layers,  # the schedule's owner decides
-                       [g // unit for g in schedule.ramp_sizes()])
+    schedule = BatchSchedule.from_config(training, dp)  # validated on creation
+    unit = schedule.samples_per_micro_batch_step
+    check_interleaving(cfg.parallel, cfg.model.num_layers,
+                       [size // unit for size in schedule.ramp_sizes()])
+    iteration_based = training.train_iters is not None
+    samples = (schedule.samples_for_iters(training.train_iters) if iteration_based
+               else training.train_samples)
+    LRSchedule.from_config(cfg.optimizer, cfg.lr_schedule, samples, schedule.samples_for_iters,
+                           iteration_based)
 
 
-def _nearest_multiples(value: int, unit: int) -> str:
-    below = value // unit * unit
-    return f"{below} or {below + unit}" if below else str(unit)
+def _check_partition(cfg: TrainConfig) -> None:
+    """The partitioner's own checks on the model's real layer list: the method, and enough
+    weighted layers for every (virtual) pipeline stage."""
+    parallel = cfg.parallel
+    stage_bounds(cfg.model, parallel.pipeline_model_parallel_size, parallel.pp_partition_method,
+                 parallel.virtual_size(cfg.model.num_layers))
 
 
-def _check_checkpoint(values: dict[str, Any]) -> None:
-    needs = {"save_interval": "save", "keep_last_n": "save", "new_series": "save",
-             "finetune": "load", "use_checkpoint_args": "load", "skip_train": "load",
-             "no_load_optim": "load", "no_load_rng": "load",
-             "exit_on_missing_checkpoint": "load"}
-    for name, needed in needs.items():
-        if values[name] and not values[needed]:
-            raise _error(f"{flag(name)} needs {flag(needed)}", {name: values[name]},
+@functools.cache
+def stage_bounds(model: ModelConfig, stages: int, method: str, chunks: int) -> tuple[int, ...]:
+    """``partition_layers`` of the model's layers (``layer_table``) into ``stages`` x
+    ``chunks`` virtual stages, as ``build_engine`` splits them; cached like the table."""
+    names, counts = layer_table(model)
+    return tuple(partition_layers(list(names), list(counts), stages, method, chunks))
+
+
+@functools.cache
+def layer_table(model: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(type names, parameter counts) of the model's layers as the partitioner sees them,
+    counted on the meta device and cached (the planner validates thousands of layouts of one
+    model). With real data the vocabulary is not known yet and counts as one token: it
+    changes no layer's type and leaves every count > 0, so feasibility is the same."""
+    model = model if model.vocab_size else dataclasses.replace(model, vocab_size=1)
+    ctx = LayerContext(model, AxisGroup.single(), seed=0)
+    return (tuple(spec.type_name for spec in gpt_layer_specs(ctx)),
+            tuple(layer_param_counts(ctx)))
+
+
+def _check_checkpoint(checkpoint: CheckpointConfig, override: bool, keep: bool,
+                      skip_train: bool) -> None:
+    needs = {"save_interval": (checkpoint.save_interval, "save"),
+             "keep_last_n": (checkpoint.keep_last_n, "save"),
+             "new_series": (checkpoint.new_series, "save"),
+             "async_save": (checkpoint.async_save, "save"),
+             "finetune": (checkpoint.finetune, "load"),
+             "use_checkpoint_args": (checkpoint.use_checkpoint_args, "load"),
+             "skip_train": (skip_train, "load"),
+             "no_load_optim": (checkpoint.no_load_optim, "load"),
+             "no_load_rng": (checkpoint.no_load_rng, "load"),
+             "exit_on_missing_checkpoint": (checkpoint.exit_on_missing_checkpoint, "load")}
+    for name, (value, needed) in needs.items():
+        if value and not getattr(checkpoint, needed):
+            raise _error(f"{flag(name)} needs {flag(needed)}", {name: value},
                          f"pass {flag(needed)} DIR or drop {flag(name)}")
-    both = ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
-    if all(values[name] for name in both):
+    if override and keep:
         raise _error("the schedule follows either the flags or the checkpoint",
-                     dict.fromkeys(both, True), "drop one of the two flags")
+                     {"override_opt_param_scheduler": True,
+                      "use_checkpoint_opt_param_scheduler": True}, "drop one of the two flags")
 
 
 def _check_zero(cfg: TrainConfig) -> None:
@@ -364,8 +330,7 @@ def _check_zero(cfg: TrainConfig) -> None:
     if parallel.zero3_prefetch_depth < 0:
         raise _error("must be >= 0", {"zero3_prefetch_depth": parallel.zero3_prefetch_depth},
                      "give 0 (no prefetch) or more units to fetch ahead")
-    live = parallel.live_units
-    if parallel.zero3_max_live_units < 0 or live < parallel.zero3_prefetch_depth + 1:
+    if parallel.zero3_max_live_units < 0 or parallel.live_units < parallel.zero3_prefetch_depth + 1:
         raise _error("the ZeRO-3 pool must hold the unit computing plus every prefetched one",
                      {"zero3_max_live_units": parallel.zero3_max_live_units,
                       "zero3_prefetch_depth": parallel.zero3_prefetch_depth},
@@ -373,12 +338,13 @@ def _check_zero(cfg: TrainConfig) -> None:
                      "or 0 for that default")
 
 
-def _check_watchdog(values: dict[str, Any]) -> None:
+def _check_watchdog(cfg: TrainConfig) -> None:
     """The watchdog must fire before the backend's own timeout, or no dump is ever written."""
-    limit = values["distributed_timeout_minutes"] * 60
-    if values["hang_timeout"] >= limit:
+    resilience = cfg.resilience
+    limit = resilience.distributed_timeout_minutes * 60
+    if resilience.hang_timeout >= limit:
         raise _error("the hang watchdog would fire after the process group times out",
-                     {"hang_timeout": values["hang_timeout"],
-                      "distributed_timeout_minutes": values["distributed_timeout_minutes"]},
+                     {"hang_timeout": resilience.hang_timeout,
+                      "distributed_timeout_minutes": resilience.distributed_timeout_minutes},
                      f"give --hang-timeout below {limit} seconds or raise "
                      "--distributed-timeout-minutes")

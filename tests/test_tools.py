@@ -21,7 +21,7 @@ from megatron3d.ranges import NON_NEGATIVE, SIZE
 from tests.helpers.tools import load_tool
 
 NAMES = ("preprocess_data", "train_tokenizer", "prepare_data_cache", "hang_report",
-         "stdlib_corpus")
+         "stdlib_corpus", "plan_topology")
 
 
 def tool(name: str) -> ModuleType:
@@ -54,6 +54,10 @@ NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
 TOK = ["--input", "c.jsonl", "--model-prefix", "tok"]
 CACHE = ["--data-path", "tokens", "--seq-length", "8", "--train-samples", "4",
          "--global-batch-size", "2"]
+
+PLAN = ["--nodes", "1", "--gpus-per-node", "4", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "203",
+        "--global-batch-size", "8"]
 
 CASES = [
     ("preprocess_data", [*PRE, *NULL, "--workers", "0"], "--workers='0'): expected a whole "
@@ -123,6 +127,21 @@ CASES = [
     ("stdlib_corpus", ["--output", "c.jsonl", "--max-mb", "nan"], "--max-mb='nan'"),
     ("stdlib_corpus", ["--output", "c.jsonl", "--max-mb", "-1"], "--max-mb='-1'"),
     ("stdlib_corpus", ["--outptu", "c.jsonl"], "required: --output"),
+    ("plan_topology", PLAN[2:], "required: --nodes"),
+    ("plan_topology", [*PLAN, "--nodes", "0"], "--nodes='0'): expected a whole number >= 1"),
+    ("plan_topology", [*PLAN, "--gpu-memory-gb", "nan"], "--gpu-memory-gb='nan'"),
+    ("plan_topology", [*PLAN, "--inter-node-gbps=-1"], "--inter-node-gbps='-1'"),
+    ("plan_topology", [*PLAN, "--tp"], "write it as '--tp INT'"),
+    ("plan_topology", [*PLAN, "--top", "-1"], "--top='-1'"),
+    ("plan_topology", [*PLAN, "--json=yes"], "--json is a switch"),
+    ("plan_topology", [*PLAN, "--hidden-size", "x"], "(--hidden-size='x')"),
+    ("plan_topology", [*PLAN, "--nodez", "2"], "(--nodez=2): not a megatron3d flag"),
+    ("plan_topology", [*PLAN, "--tp", "2", "--tensor-model-parallel-size", "2"],
+     "--tp and --tensor-model-parallel-size both fix one size"),
+    ("plan_topology", [*PLAN, "--num-layers-per-virtual-pipeline-stage", "1"],
+     "fix the chunks with --virtual-pipeline-model-parallel-size"),
+    ("plan_topology", [*PLAN[:-6], "--data-path", "tokens", "--tokenizer-type",
+                       "NullTokenizer"], "the plan needs the vocabulary size"),
 ]
 
 
@@ -211,3 +230,20 @@ def test_a_damaged_hang_dump_is_skipped_with_its_reason(capsys, data):
     err = capsys.readouterr().err
     assert err.startswith("error: no readable rank-XXXXX.txt dump in d (skipped rank-00000.txt")
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_plan_topology_ranks_layouts_and_writes_json(capsys):
+    assert tool("plan_topology").main([*PLAN, "--micro-batch-size", "2", "--tp", "2",
+                                       "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("model: ") and "cluster: 1 nodes x 4 GPUs" in out[0]
+    header = next(i for i, line in enumerate(out) if line.split()[:3] == ["#", "TP", "PP"])
+    assert len(out) == header + 4  # --top 3 rows
+    assert out[header + 1].split()[:2] == ["1", "2"] and out[header + 1].endswith("feasible")
+    assert tool("plan_topology").main([*PLAN, "--micro-batch-size", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    keys = {"tp", "pp", "dp", "micro_batch_size", "zero_stage", "checkpoint_activations",
+            "feasible", "reason", "memory_gb", "iteration_s", "tflops_per_gpu"}
+    assert rows and all(keys <= set(row) for row in rows)
+    assert {row["micro_batch_size"] for row in rows} == {2}
+    assert rows[0]["feasible"] and rows[-1]["memory_gb"] is None  # refused: nothing judged

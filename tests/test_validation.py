@@ -9,7 +9,8 @@ import pytest
 
 from megatron3d.config import SECTIONS, TrainConfig
 from megatron3d.errors import ConfigError
-from megatron3d.validation import resolved_global_batch_size, validate
+from megatron3d.optim.batch_schedule import BatchSchedule
+from megatron3d.validation import validate
 
 # A tiny valid run: every bad case below changes one thing (or two that clash).
 BASE = {
@@ -51,6 +52,18 @@ BAD = {
     "vocab size with a real tokenizer": ({"mock_data": False, "data_path": ("d",),
                                           "tokenizer_type": "SentencePieceTokenizer",
                                           "tokenizer_model": "m"}, 1, ["--vocab-size=100"]),
+    "tokenizer flag it does not read": ({"mock_data": False, "vocab_size": None,
+                                         "data_path": ("d",),
+                                         "tokenizer_type": "SentencePieceTokenizer",
+                                         "tokenizer_model": "m", "vocab_file": "v.json"}, 1,
+                                        ["SentencePieceTokenizer does not use --vocab-file",
+                                         "--vocab-file=v.json"]),
+    "gpt2 bpe without merges": ({"mock_data": False, "vocab_size": None, "data_path": ("d",),
+                                 "tokenizer_type": "GPT2BPETokenizer", "vocab_file": "v.json"},
+                                1, ["GPT2BPETokenizer needs --merge-file", "--merge-file=None"]),
+    "null tokenizer without vocab": ({"mock_data": False, "vocab_size": None,
+                                      "data_path": ("d",), "tokenizer_type": "NullTokenizer"}, 1,
+                                     ["NullTokenizer needs --vocab-size"]),
     "eod mask with mock data": ({"eod_mask_loss": True}, 1, ["--eod-mask-loss=True"]),
     "mock without vocab": ({"vocab_size": None}, 1, ["--vocab-size=None"]),
     # sizes and ranges
@@ -60,6 +73,7 @@ BAD = {
     "huge vocabulary": ({"vocab_size": 2**40}, 1, ["--vocab-size=1099511627776"]),
     "huge batch": ({"global_batch_size": 2**30}, 1, ["--global-batch-size=1073741824"]),
     "zero keep-last-n": ({"keep_last_n": 0, "save": "x"}, 1, ["--keep-last-n=0", "at least 1"]),
+    "async save without save": ({"async_save": True}, 1, ["--async-save needs --save"]),
     "negative seq": ({"seq_length": -4}, 1, ["--seq-length=-4"]),
     "zero global batch": ({"global_batch_size": 0}, 1, ["--global-batch-size=0"]),
     "zero vocab": ({"vocab_size": 0}, 1, ["--vocab-size=0"]),
@@ -73,7 +87,7 @@ BAD = {
     "lr zero": ({"lr": 0.0}, 1, ["--lr=0.0", "greater than 0"]),
     "lr nan": ({"lr": math.nan}, 1, ["--lr=nan"]),
     "negative min lr": ({"min_lr": -1e-5}, 1, ["--min-lr=-1e-05"]),
-    "min lr above lr": ({"min_lr": 1e-2}, 1, ["--min-lr=0.01", "--lr=0.001"]),
+    "min lr above lr": ({"min_lr": 1e-2}, 1, ["--min-lr 0.01", "--lr 0.001"]),
     "negative weight decay": ({"weight_decay": -0.1}, 1, ["--weight-decay=-0.1"]),
     "negative clip grad": ({"clip_grad": -1.0}, 1, ["--clip-grad=-1.0"]),
     "beta1 negative": ({"adam_beta1": -0.1}, 1, ["--adam-beta1=-0.1"]),
@@ -107,43 +121,54 @@ BAD = {
     "loss scale window 0": ({"loss_scale_window": 0}, 1, ["--loss-scale-window=0"]),
     # learning-rate schedule
     "two warmups": ({"lr_warmup_iters": 2, "lr_warmup_fraction": 0.1}, 1,
-                    ["--lr-warmup-iters=2", "--lr-warmup-fraction=0.1"]),
+                    ["--lr-warmup-fraction and --lr-warmup-iters", "exclusive"]),
     "warmup fraction above 1": ({"lr_warmup_fraction": 1.5}, 1, ["--lr-warmup-fraction=1.5"]),
     "warmup fraction negative": ({"lr_warmup_fraction": -0.1}, 1, ["--lr-warmup-fraction=-0.1"]),
     "decay iters with samples": ({**SAMPLES, "lr_decay_iters": 5}, 1,
-                                 ["--lr-decay-iters=5", "--train-samples=1000"]),
+                                 ["--lr-decay-iters cannot", "with --train-samples"]),
     "warmup iters with samples": ({**SAMPLES, "lr_warmup_iters": 5}, 1,
-                                  ["--lr-warmup-iters=5", "--train-samples=1000"]),
+                                  ["--lr-warmup-iters cannot", "with --train-samples"]),
     "decay samples with iters": ({"lr_decay_samples": 50}, 1,
-                                 ["--lr-decay-samples=50", "--train-iters=10"]),
+                                 ["--lr-decay-samples cannot", "with --train-iters"]),
     "warmup samples with iters": ({"lr_warmup_samples": 50}, 1,
-                                  ["--lr-warmup-samples=50", "--train-iters=10"]),
+                                  ["--lr-warmup-samples cannot", "with --train-iters"]),
     "warmup longer than run": ({"lr_warmup_iters": 20}, 1,
-                               ["--lr-warmup-iters=20", "--train-iters=10"]),
+                               ["warmup (40 samples)", "decay (20 samples)"]),
     "warmup as long as the run": ({"lr_warmup_iters": 10}, 1,
-                                  ["--lr-warmup-iters=10", "--train-iters=10"]),
+                                  ["warmup (20 samples)", "decay (20 samples)"]),
     "warmup longer than decay": ({"lr_warmup_iters": 8, "lr_decay_iters": 5}, 1,
-                                 ["--lr-warmup-iters=8", "--lr-decay-iters=5"]),
+                                 ["warmup (16 samples)", "decay (10 samples)"]),
     "warmup samples longer than decay": ({**SAMPLES, "lr_warmup_samples": 600,
                                           "lr_decay_samples": 500}, 1,
-                                         ["--lr-warmup-samples=600", "--lr-decay-samples=500"]),
+                                         ["warmup (600 samples)", "decay (500 samples)"]),
     # parallel layout and batch
     "world not multiple of tp x pp": ({"tensor_model_parallel_size": 2}, 3,
-                                      ["world size 3", "--tensor-model-parallel-size=2"]),
-    "world size zero": ({}, 0, ["world size 0"]),
+                                      ["world size 3", "tp*pp = 2 (tp=2, pp=1)"]),
+    "world size zero": ({}, 0, ["world size must be an integer >= 1, got 0"]),
     "zero tp": ({"tensor_model_parallel_size": 0}, 1, ["--tensor-model-parallel-size=0"]),
     "heads % tp": ({"hidden_size": 48, "tensor_model_parallel_size": 3}, 3,
                    ["--num-attention-heads=4", "--tensor-model-parallel-size=3"]),
     "ffn % tp": ({"ffn_hidden_size": 99, "tensor_model_parallel_size": 2}, 2,
                  ["--ffn-hidden-size=99", "--tensor-model-parallel-size=2"]),
     "global batch % micro x dp": ({"global_batch_size": 6}, 2,
-                                  ["--global-batch-size=6", "--micro-batch-size=2", "4 or 8"]),
+                                  ["--global-batch-size", "6 not divisible",
+                                   "--micro-batch-size 2", "nearest 4 or 8"]),
     "zero stage 2": ({"zero_stage": 2}, 1, ["--zero-stage=2", "0, 1 or 3"]),
     "unknown partition method": ({"pp_partition_method": "balanced"}, 1,
                                  ["--pp-partition-method=balanced", "type:REGEX"]),
     "bad partition regex": ({"pp_partition_method": "type:(transformer"}, 1,
                             ["--pp-partition-method=type:(transformer", "invalid regex"]),
     "empty partition regex": ({"pp_partition_method": "type:"}, 1, ["--pp-partition-method="]),
+    # the partitioner on the real layer list (embedding, 2 blocks, final norm, head)
+    "more stages than layers": ({"pipeline_model_parallel_size": 8}, 8,
+                                ["8 pipeline stages but only 5 of 5 layers have parameters",
+                                 "--pipeline-model-parallel-size=8"]),
+    "more virtual stages than layers": ({"pipeline_model_parallel_size": 2,
+                                         "virtual_pipeline_model_parallel_size": 4,
+                                         "global_batch_size": 4}, 2,
+                                        ["2 x 4 virtual pipeline stages but only 5 of 5"]),
+    "partition regex matching no layer": ({"pp_partition_method": "type:nothing"}, 1,
+                                          ["only 0 of 5 layers match type:nothing"]),
     "rampup not divisible": ({**SAMPLES, "rampup_batch_size": (2, 2, 100),
                               "global_batch_size": 8}, 2, ["--rampup-batch-size", "2"]),
     "rampup bad increment": ({**SAMPLES, "rampup_batch_size": (2, 4, 100),
@@ -228,8 +253,9 @@ def test_valid_configs_pass(overrides, world_size):
 
 
 def test_global_batch_size_defaults_to_micro_times_dp():
-    assert resolved_global_batch_size(make(), world_size=8) == 2 * 8
-    assert resolved_global_batch_size(make(global_batch_size=32), world_size=8) == 32
+    assert BatchSchedule.from_config(make().training, dp_size=8).global_batch_size == 2 * 8
+    assert BatchSchedule.from_config(make(global_batch_size=32).training,
+                                     dp_size=8).global_batch_size == 32
 
 
 def test_not_yet_checks_come_after_the_real_ones():

@@ -30,8 +30,8 @@ from megatron3d.data.blended_dataset import format_report  # noqa: E402
 from megatron3d.data.builder import DEFAULT_SPLIT, build_datasets, dry_run_report  # noqa: E402
 from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
+from megatron3d.optim.batch_schedule import BatchSchedule  # noqa: E402
 from megatron3d.ranges import BATCH, ITERATIONS, SAMPLES, SEED, SIZE, Range  # noqa: E402
-from megatron3d.training.batch_schedule import BatchSchedule  # noqa: E402
 from megatron3d.training.build import run_length, valid_samples  # noqa: E402
 
 logger = get_logger("prepare_data_cache")

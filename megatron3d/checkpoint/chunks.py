@@ -7,9 +7,9 @@ dimension and stride, padded vocabulary rows). Each rank writes only the chunks 
 its ZeRO slice (or, without ZeRO, data-parallel rank 0 all of it), TP-replicated tensors from
 TP rank 0, tied copies from the first stage. Nothing is gathered to one rank when saving.
 
-Loading into any layout: the chunks of a logical tensor are put back into each saving TP
-rank's local slice, the slices are joined (``tp_unshard``), padding rows are dropped, and the
-result is padded and sliced again for this rank (``tp_shard``).
+Loading into any layout: each rank copies from the chunks overlapping its own pieces only
+what it holds (``shard_reader.py``, ``overlap.py``); the offline tools join a logical tensor
+from all its chunks (``assemble``) and cut it again for a layout (``tp_slice``).
 
 Why not torch.distributed.checkpoint: it reshards tensors described as DTensor or
 ShardedTensor placements (even, contiguous shards per dimension). Ours are not: a SwiGLU
@@ -110,15 +110,3 @@ def tp_slice(logical: torch.Tensor, meta: ParamMeta, tp_rank: int, tp_size: int,
         full = torch.zeros((padded_rows, *logical.shape[1:]), dtype=logical.dtype)
         full[: logical.shape[0]] = logical
     return tp_shard(full, meta.tp_split_dim, tp_rank, tp_size, meta.tp_stride)
-
-
-def local_slice(logical: torch.Tensor, param: nn.Parameter, state: ParallelState) -> torch.Tensor:
-    """This rank's slice of a logical tensor, in ``param``'s layout."""
-    meta = get_meta(param)
-    full = tp_slice(logical, meta, state.tp.rank, state.tp.size, param.shape[0] * state.tp.size)
-    if tuple(full.shape) != tuple(param.shape):
-        raise CheckpointError(f"checkpoint tensor {meta.name} has logical shape "
-                              f"{tuple(logical.shape)}, which does not fit this model's "
-                              f"{tuple(param.shape)} slice: the model flags differ from the "
-                              "checkpoint's (try --use-checkpoint-args)")
-    return full

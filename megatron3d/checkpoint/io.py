@@ -44,6 +44,11 @@ def iteration_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
 
+def staging_dir(root: Path, iteration: int) -> Path:
+    """Where a checkpoint is written before ``publish`` renames it."""
+    return root / f"{iteration_dir(root, iteration).name}.tmp"
+
+
 def rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank_{rank:05d}.pt"
 
@@ -74,8 +79,7 @@ def write_meta(directory: Path, meta: dict[str, Any]) -> None:
 
 def publish(root: Path, iteration: int) -> None:
     """Make the finished ``.tmp`` directory the checkpoint and point ``latest`` at it."""
-    final = iteration_dir(root, iteration)
-    os.replace(final.with_name(final.name + ".tmp"), final)
+    os.replace(staging_dir(root, iteration), iteration_dir(root, iteration))
     _atomic_write(root / LATEST, lambda f: f.write(f"{iteration}\n".encode()))
 
 

@@ -20,14 +20,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from megatron3d.checkpoint import io
-from megatron3d.checkpoint.chunks import KINDS, local_slice
+from megatron3d.checkpoint import io, shard_reader
+from megatron3d.checkpoint.chunks import KINDS
 from megatron3d.checkpoint.manager import Progress, layout
-from megatron3d.checkpoint.reader import CheckpointReader, find
+from megatron3d.checkpoint.reader import find
 from megatron3d.config import ModelConfig, TrainConfig
 from megatron3d.errors import CheckpointError, ConfigError
 from megatron3d.log import get_logger
-from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import ParallelState
 from megatron3d.optim.lr_schedule import LRSchedule
@@ -80,23 +79,20 @@ def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
 def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, weights_only: bool) -> Progress:
     """Install the checkpoint into this rank's parameters and optimizer shard (only the
-    weights with ``weights_only`` or --no-load-optim)."""
-    reader = CheckpointReader(directory)
-    meta = reader.meta
+    weights with ``weights_only`` or --no-load-optim), reading only what the rank owns
+    (``shard_reader.py``)."""
+    meta = io.read_meta(directory)
     check_model_matches(cfg, meta["config"])
     no_optim = weights_only or cfg.checkpoint.no_load_optim
     # Adam's moments are zero before its first step: converted checkpoints do not store them.
     kinds = ("weight",) if no_optim or meta["adam_step"] == 0 else KINDS
-    target = {k: torch.zeros(optimizer.shard.numel, dtype=torch.float32) for k in KINDS}
-    for p in params:
-        for kind in kinds:
-            mine = local_slice(reader.tensor(get_meta(p).name, kind), p, state).reshape(-1)
-            for start, end, offset in optimizer.shard.parts_of(p):
-                target[kind][offset:offset + end - start] = mine[start:end]
-    device = optimizer.shard.grads.device
-    target = {k: v.to(device) for k, v in target.items()}
+    same_layout = meta["layout"] == layout(cfg, state)
+    target = shard_reader.targets(optimizer.shard, moments=not no_optim)
+    saved_rng = shard_reader.read(directory, meta, state, params, optimizer.shard, target, kinds,
+                                  cfg.parallel.zero_stage, same_layout)
     target["step"] = torch.tensor(meta["adam_step"])
     optimizer.load_local_state(target, no_optim)
+    optimizer.shard.grads.zero_()  # it held the weights
     if weights_only:
         return Progress(0, 0, 0, Progress.new_series())
     if cfg.checkpoint.no_load_optim:
@@ -105,8 +101,6 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
                     "the loaded weights")
     elif optimizer.scaler is not None and meta["loss_scaler"] is not None:
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
-    saved_rng = reader.files[state.world_rank]["rng"] if meta["layout"] == layout(cfg, state) \
-        else None
     if cfg.checkpoint.no_load_rng:
         logger.info("--no-load-rng: not restoring the saved RNG states; the random streams "
                     "start from --seed %d", cfg.training.seed)

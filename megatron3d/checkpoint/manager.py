@@ -3,7 +3,9 @@
 What a checkpoint holds: the fp32 weights and Adam moments as layout-free chunks (see
 ``chunks.py``), Adam's step, the loss scaler, the iteration and consumed samples/tokens (which
 fix the data position, batch size and learning rate), the resolved learning-rate schedule,
-every rank's RNG states, the full configuration and the layout it was saved with.
+every rank's RNG states, the full configuration and the layout it was saved with. A save
+blocks until the checkpoint is published, or with --async-save only until the state is in
+host memory (``background.py`` writes and publishes it while training goes on).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import random
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from megatron3d.checkpoint import io
+from megatron3d.checkpoint import chunk_index, io
+from megatron3d.checkpoint.background import BackgroundSave
 from megatron3d.checkpoint.chunks import KINDS, make_chunks
 from megatron3d.config import TrainConfig
 from megatron3d.errors import TrainingError
@@ -59,16 +62,56 @@ def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
             **({"virtual": chunks} if chunks > 1 else {})}
 
 
+class Position(Protocol):
+    """Where the run is (the training loop's progress)."""
+
+    iteration: int
+    consumed_samples: int
+    consumed_tokens: int
+
+
+class Saver:
+    """The run's saves into ``--save``, in its series: ``saver(progress)`` saves and returns
+    the checkpoint's directory, ``wait()`` returns once the last save is published. Without
+    --async-save each save is published before it returns; with it, saves finish in the
+    background (``BackgroundSave``, whose host buffer lives as long as this)."""
+
+    def __init__(self, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
+                 optimizer: MixedPrecisionOptimizer, rng: RNGStreams, lr_schedule: LRSchedule,
+                 series: str) -> None:
+        assert cfg.checkpoint.save is not None
+        self.root = cfg.checkpoint.save
+        self.cfg, self.state, self.params, self.optimizer = cfg, state, params, optimizer
+        self.rng, self.lr_schedule, self.series = rng, lr_schedule, series
+        self.background = (BackgroundSave(params, optimizer.shard, state,
+                                          cfg.parallel.zero_stage)
+                           if cfg.checkpoint.async_save else None)
+
+    def __call__(self, progress: Position) -> str:
+        save(self.root, self.cfg, self.state, self.params, self.optimizer,
+             Progress(progress.iteration, progress.consumed_samples, progress.consumed_tokens,
+                      self.series), self.rng, self.lr_schedule, self.background)
+        return str(io.iteration_dir(Path(self.root), progress.iteration))
+
+    def wait(self) -> None:
+        """Every rank, at the same point: return once the last save is published."""
+        if self.background is not None:
+            self.background.wait()
+
+
 def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
          optimizer: MixedPrecisionOptimizer, progress: Progress, rng: RNGStreams,
-         lr_schedule: LRSchedule) -> None:
+         lr_schedule: LRSchedule, background: BackgroundSave | None = None) -> None:
     """Every rank writes its own file; rank 0 publishes the checkpoint when all are done.
     Non-finite weights or moments are refused on every rank before anything is written; a
     write that fails (a full disk, a path that changed) is a ``CheckpointError`` on the rank
-    that met it, and the checkpoints already published stay as they were."""
+    that met it, and the checkpoints already published stay as they were. With ``background``
+    (--async-save) the save before is finished first, and this returns once the state is in
+    host memory: the files are written and published while training goes on."""
     path = Path(root)
-    final = io.iteration_dir(path, progress.iteration)
-    tmp = final.with_name(final.name + ".tmp")
+    staging = io.staging_dir(path, progress.iteration)
+    if background is not None:
+        background.wait()  # at most one save in flight
     if _published(path, progress, state, optimizer.shard.grads.device):
         return
     local = optimizer.local_state()
@@ -76,26 +119,35 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
     if state.world_rank == 0:
         with io.writing(path):
             io.clear_for_save(path, progress.iteration)
-            tmp.mkdir()
+            staging.mkdir()
     comm.barrier(state.world)
+    header = {"rng": _capture_rng(rng), "iteration": progress.iteration,  # see safety.py
+              "rank": state.world_rank, "layout": layout(cfg, state)}
+    meta = (_meta(cfg, state, optimizer, progress, local, lr_schedule)
+            if state.world_rank == 0 else None)
+    if background is not None:
+        background.start(path, local, header, meta, cfg.checkpoint.keep_last_n)
+        return
     chunks = make_chunks(params, optimizer.shard, local, state, cfg.parallel.zero_stage, KINDS)
     with io.writing(path):
-        io.write_rank(tmp, state.world_rank, {  # iteration, rank, layout: see safety.py
-            "chunks": chunks, "rng": _capture_rng(rng), "iteration": progress.iteration,
-            "rank": state.world_rank, "layout": layout(cfg, state)})
+        io.write_rank(staging, state.world_rank, {"chunks": chunks, **header})
     comm.barrier(state.world)
-    if state.world_rank == 0:
-        with io.writing(path):
-            io.write_meta(tmp, {
-                "format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress),
-                "adam_step": float(local["step"]), "layout": layout(cfg, state),
-                "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
-                "lr_schedule": dataclasses.asdict(lr_schedule), "config": dataclasses.asdict(cfg)})
-            io.publish(path, progress.iteration)
-            if cfg.checkpoint.keep_last_n:
-                io.prune(path, cfg.checkpoint.keep_last_n, progress.series)
+    if meta is not None:
+        chunk_index.finish(path, meta, cfg.checkpoint.keep_last_n)
     comm.barrier(state.world)
-    logger.info("saved checkpoint at iteration %d to %s", progress.iteration, final)
+    logger.info("saved checkpoint at iteration %d to %s", progress.iteration,
+                io.iteration_dir(path, progress.iteration))
+
+
+def _meta(cfg: TrainConfig, state: ParallelState, optimizer: MixedPrecisionOptimizer,
+          progress: Progress, local: dict[str, torch.Tensor],
+          lr_schedule: LRSchedule) -> dict[str, Any]:
+    """meta.json: the run's position and series, Adam's step, the loss scaler, the resolved
+    learning-rate schedule, the configuration and the layout."""
+    return {"format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress),
+            "adam_step": float(local["step"]), "layout": layout(cfg, state),
+            "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
+            "lr_schedule": dataclasses.asdict(lr_schedule), "config": dataclasses.asdict(cfg)}
 
 
 def _published(root: Path, progress: Progress, state: ParallelState,

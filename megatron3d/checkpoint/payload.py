@@ -85,10 +85,23 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _chunk_problem(chunk: Any) -> str | None:  # noqa: C901 - one check per field, in order
+def _chunk_problem(chunk: Any) -> str | None:
     """What is wrong with one chunk, or None."""
     if not isinstance(chunk, dict) or not set(CHUNK_KEYS) <= chunk.keys():
         return f"{_show(chunk)} lacks some of the keys {', '.join(CHUNK_KEYS)}"
+    if (found := description_problem(chunk)) is not None:
+        return found
+    start, end, data = chunk["start"], chunk["end"], chunk["data"]
+    if not (isinstance(data, torch.Tensor) and data.dtype == torch.float32
+            and data.layout == torch.strided and data.dim() == 1
+            and data.numel() == end - start):
+        return f"data is {_show(data)}, not {end - start} float32 values"
+    return None
+
+
+def description_problem(chunk: dict) -> str | None:  # noqa: C901 - one check per field
+    """What is wrong with a chunk's description (every key of ``CHUNK_KEYS`` but its data,
+    all present), or None: shared by rank files and the chunk index (``chunk_index.py``)."""
     if not isinstance(chunk["name"], str) or not isinstance(chunk["kind"], str):
         return f"name {_show(chunk['name'])} or kind {_show(chunk['kind'])} is not a string"
     shape, tp_size, split = chunk["local_shape"], chunk["tp_size"], chunk["split_dim"]
@@ -108,13 +121,9 @@ def _chunk_problem(chunk: Any) -> str | None:  # noqa: C901 - one check per fiel
                                               if shape else 0)
     if rows is not None and not (_is_int(rows) and 0 <= rows <= full_rows):
         return f"logical_rows {_show(rows)} is outside [0, {full_rows}]"
-    start, end, data = chunk["start"], chunk["end"], chunk["data"]
+    start, end = chunk["start"], chunk["end"]
     if not (_is_int(start) and _is_int(end) and 0 <= start <= end <= numel):
         return f"range [{_show(start)}, {_show(end)}) is outside [0, {numel}]"
-    if not (isinstance(data, torch.Tensor) and data.dtype == torch.float32
-            and data.layout == torch.strided and data.dim() == 1
-            and data.numel() == end - start):
-        return f"data is {_show(data)}, not {end - start} float32 values"
     return None
 
 

@@ -2,8 +2,9 @@
 
 Rank files are memory-mapped (``io.read_rank``), so opening a checkpoint reads only its
 metadata and chunk descriptions; a tensor's bytes are read when ``tensor`` assembles it. The
-training loader and the offline tools (export, generation) both read through this, so a
-checkpoint from any (TP, PP, DP, ZeRO) layout looks the same to them.
+offline tools (export, generation, relayout) read through this, so a checkpoint from any
+(TP, PP, DP, ZeRO) layout looks the same to them; training, which needs only each rank's
+part, loads through ``shard_reader.py`` instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from megatron3d.checkpoint import io, safety
 from megatron3d.checkpoint.chunks import assemble, index_chunks
+from megatron3d.checkpoint.overlap import logical_shape
 from megatron3d.config import ModelConfig
 from megatron3d.errors import CheckpointError
 
@@ -76,12 +78,8 @@ class CheckpointReader:
         """The logical tensor's shape from its chunk descriptions alone, reading no data (so
         a streaming writer can lay out its file before any tensor is assembled)."""
         first = self._chunks(name, kind)[0]
-        shape = list(first["local_shape"])
-        if first["split_dim"] is not None:
-            shape[first["split_dim"]] *= first["tp_size"]
-        if first["logical_rows"] is not None:
-            shape[0] = first["logical_rows"]
-        return tuple(shape)
+        return logical_shape(tuple(first["local_shape"]), first["split_dim"], first["tp_size"],
+                             first["logical_rows"])
 
     def complete(self, name: str, kind: str = "weight") -> bool:
         """Whether the chunks of ``name`` cover every saving TP rank's whole slice, judged

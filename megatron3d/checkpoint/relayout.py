@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megatron3d.checkpoint import io, safety
+from megatron3d.checkpoint import chunk_index, io, safety
 from megatron3d.checkpoint.chunks import new_chunk, tp_slice
 from megatron3d.checkpoint.contents import (
     Layout,
@@ -133,8 +133,9 @@ def _pieces(logical: torch.Tensor, meta: ParamMeta, kind: str, target: Layout,
 
 def _write(root: Path, meta: dict[str, Any],
            files: Iterator[tuple[int, dict[str, Any]]]) -> Path:
-    """``root/iter_N``: the rank files as they come, ``meta.json``, then ``latest``. A
-    failure part-way leaves nothing behind (``root`` itself, when this made it)."""
+    """``root/iter_N``: the rank files as they come, ``meta.json``, the chunk index, then
+    ``latest``. A failure part-way leaves nothing behind (``root`` itself, when this made
+    it)."""
     final = io.iteration_dir(root, meta["iteration"])
     tmp = final.with_name(final.name + ".tmp")
     created = not root.exists()
@@ -145,6 +146,7 @@ def _write(root: Path, meta: dict[str, Any],
             for rank, payload in files:
                 io.write_rank(tmp, rank, payload)
             io.write_meta(tmp, meta)
+            chunk_index.write_index(tmp, meta)
             io.publish(root, meta["iteration"])
     except BaseException:
         shutil.rmtree(root if created else tmp, ignore_errors=True)

@@ -78,6 +78,11 @@ class CheckpointConfig:
     keep_last_n: int | None = option(
         None, "Keep only the newest N checkpoints of this run's series (never another's).",
         range=AT_LEAST_ONE)
+    async_save: bool = option(
+        False, "Copy the state to host memory at the save's step and write it in a background "
+        "thread while training goes on; 'latest' moves only once every rank's file is "
+        "written, a save first waits for the one before, and the run waits for its last save "
+        "before it exits.")
     new_series: bool = option(
         False, "Let --save hold another run's checkpoints: this run starts a new series there "
         "and 'latest' follows it; the other checkpoints stay, except one at an iteration this "

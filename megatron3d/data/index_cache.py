@@ -5,8 +5,8 @@ readable form). Entries are written into a temp directory and renamed into place
 reader sees a whole entry or none. Loading memory-maps the arrays.
 
 Who builds a missing entry: whoever first creates ``DIR/NAME-HASH.lock`` (``O_CREAT |
-O_EXCL``, atomic on local and NFSv3+ filesystems); everyone else polls until the entry
-appears, and gives up after ``timeout_s`` with a message naming the lock. Why a lock file
+O_EXCL``, atomic on local and NFSv3+ filesystems); everyone else polls, backing off, until the
+entry appears, and gives up after ``timeout_s`` with a message naming the lock. Why a lock file
 rather than "global rank 0 builds, then barrier": it needs no process group (so
 ``tools/prepare_data_cache.py`` and tests share the code path), it is right when each node
 has its own cache directory (rank 0 could not build another node's), and two jobs sharing a
@@ -74,8 +74,11 @@ class IndexCache:
     """Get-or-build of named index arrays in ``directory``; ``None`` builds in memory only."""
 
     def __init__(self, directory: str | None, timeout_s: float = 1800.0,
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, max_poll_s: float = 2.0) -> None:
+        """Waiters look again after ``poll_s``, doubling up to ``max_poll_s``: thousands of
+        ranks must not stat a shared filesystem ten times a second while one rank builds."""
         self.directory, self.timeout_s, self.poll_s = directory, timeout_s, poll_s
+        self.max_poll_s = max_poll_s
         if directory is not None:
             try:
                 os.makedirs(directory, exist_ok=True)
@@ -92,7 +95,7 @@ class IndexCache:
         entry = self.entry_path(name, key)
         lock = entry + ".lock"
         deadline = time.monotonic() + self.timeout_s
-        announced = False
+        announced, wait = False, self.poll_s
         while True:
             if os.path.isfile(os.path.join(entry, KEY_FILE)):
                 return _load(entry, key)
@@ -114,7 +117,8 @@ class IndexCache:
             if not announced:
                 logger.info("waiting for %s to be built by %s", entry, _holder(lock))
                 announced = True
-            time.sleep(self.poll_s)
+            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+            wait = min(2 * wait, self.max_poll_s)
 
     def entry_path(self, name: str, key: Mapping[str, Any]) -> str | None:
         """The directory ``get_or_build(name, key, ...)`` uses (None without a directory)."""

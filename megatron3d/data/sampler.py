@@ -29,6 +29,26 @@ class MicroBatch:
         return self.tokens.numel()
 
 
+class _Unread:
+    """The micro-batch of a pipeline stage that neither embeds tokens nor computes the loss:
+    it only counts. Reading it is a bug, so it says so instead of handing out tokens."""
+
+    def __getattr__(self, name: str) -> None:
+        raise AttributeError(f"a middle pipeline stage read its micro-batch's {name!r}: only "
+                             "the first and last stages hold data; this is a bug")
+
+
+UNREAD_BATCH = _Unread()
+
+
+class UnreadDataset:
+    """What a middle pipeline stage holds instead of a dataset: no file is opened, no sample
+    read; its micro-batches only tell the schedule how many there are."""
+
+    def samples(self, start: int, count: int) -> torch.Tensor:
+        raise AssertionError("UnreadDataset never reads samples")
+
+
 def micro_batches(dataset: TokenDataset, consumed: int, global_batch_size: int,
                   micro_batch_size: int, dp_rank: int, dp_size: int,
                   device: torch.device, eod: int | None = None) -> list[MicroBatch]:
@@ -37,6 +57,8 @@ def micro_batches(dataset: TokenDataset, consumed: int, global_batch_size: int,
     With ``eod``, positions whose input token is end-of-document get no loss
     (``--eod-mask-loss``: do not learn to predict across a document boundary)."""
     per_rank = global_batch_size // dp_size
+    if isinstance(dataset, UnreadDataset):
+        return [UNREAD_BATCH] * (per_rank // micro_batch_size)
     samples = dataset.samples(consumed + dp_rank * per_rank, per_rank)
     samples = samples.to(device, non_blocking=True)  # [gbs/dp, s+1]
     result = []

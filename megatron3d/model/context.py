@@ -24,7 +24,8 @@ from megatron3d.mpu.state import AxisGroup
 @dataclass(frozen=True)
 class LayerContext:
     """``rng``: the model-parallel dropout stream; None runs all dropout on the default
-    stream (fine for a single process, wrong across TP ranks)."""
+    stream (fine for a single process, wrong across TP ranks). ``draw_weights``: False when a
+    checkpoint will fill the weights (--load): they start at zero and nothing is drawn."""
 
     cfg: ModelConfig
     tp: AxisGroup
@@ -33,6 +34,7 @@ class LayerContext:
     device: torch.device | None = None
     rng: RNGStreams | None = None
     sequence_parallel: bool = False
+    draw_weights: bool = True
 
     def tp_region_rng(self) -> contextlib.AbstractContextManager:
         """Where dropout acts on TP-split activations: a stream that differs per TP rank."""
@@ -90,7 +92,7 @@ class LayerContext:
     def layer_kwargs(self) -> dict:
         """Keyword arguments shared by every mpu parallel layer."""
         return {"tp": self.tp, "seed": self.seed, "params_dtype": self.params_dtype,
-                "device": self.device}
+                "device": self.device, "draw_weights": self.draw_weights}
 
 
 @contextlib.contextmanager

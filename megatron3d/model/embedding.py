@@ -19,7 +19,7 @@ from megatron3d.model.norm import Norm
 from megatron3d.mpu.layers import VocabParallelEmbedding, linear_with_sequence_gather
 from megatron3d.mpu.mappings import copy_to_tp_region, reduce_scatter_to_sequence_region
 from megatron3d.mpu.meta import ParamMeta, get_meta, set_meta
-from megatron3d.mpu.random import seeded_normal
+from megatron3d.mpu.random import fill_normal
 
 WORD_EMBEDDINGS = "embedding.word_embeddings"
 TIED_KEY = "word_embeddings"
@@ -45,11 +45,12 @@ class InputEmbedding(nn.Module):
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
             name = "embedding.position_embeddings.weight"
-            table = seeded_normal((cfg.max_positions, cfg.hidden_size), ctx.init_std,
-                                  ctx.seed, name, ctx.device)
+            shape = (cfg.max_positions, cfg.hidden_size)
+            table = torch.zeros(shape, dtype=ctx.params_dtype, device=ctx.device)  # [p, h]
+            if ctx.draw_weights:  # TP-replicated: every TP rank draws all of it
+                fill_normal(table, ctx.init_std, ctx.seed, name, shape)
             self.position_embeddings = set_meta(
-                nn.Parameter(table.to(device=ctx.device, dtype=ctx.params_dtype)),
-                ParamMeta(name=name, sequence_parallel=ctx.sequence_parallel))
+                nn.Parameter(table), ParamMeta(name=name, sequence_parallel=ctx.sequence_parallel))
         self.ctx = ctx
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
 """Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
-Every weight is drawn in full from ``seeded_normal(full_shape, init_std, seed, name.weight)``
-and then sliced for this TP rank, so a TP=k model starts identical to TP=1; the embedding is
-drawn at its logical vocabulary size and zero-padded, so padding never changes it. Biases
-start at zero. Every parameter carries ``ParamMeta`` saying how it is split, so the optimizer, grad
-norm and checkpoints never inspect module classes. ``device=None`` leaves parameters on the
-CPU, where they are drawn; pass ``megatron3d.device.device()`` to build them in place.
+Each rank draws only its slices of a weight, directly on ``device`` and in the parameter's
+dtype, as ``fill_normal`` blocks of the logical tensor ``(name.weight, init_std, seed)``, cut
+along the split dimension: the values are those of the single-process weight, so a TP=k model
+starts identical to TP=1. The embedding is drawn at its logical vocabulary size and its
+padding rows are zero, so padding never changes it. ``draw_weights=False`` (under --load)
+draws nothing: the weights start at zero and the checkpoint fills them. Biases start at zero.
+Every parameter carries ``ParamMeta`` saying how it is split, so the optimizer, grad norm and
+checkpoints never inspect module classes. ``device=None`` builds on the CPU; pass
+``megatron3d.device.device()`` to build in place.
 """
 
 from __future__ import annotations
@@ -26,19 +29,10 @@ from megatron3d.mpu.mappings import (
     scatter_to_tp_region,
 )
 from megatron3d.mpu.meta import ParamMeta, set_meta
-from megatron3d.mpu.random import seeded_normal
-from megatron3d.mpu.sharding import tp_shard
+from megatron3d.mpu.random import fill_normal
 from megatron3d.mpu.state import AxisGroup
 
-
-def _draw_device(device: torch.device | str | None) -> str:
-    """Weights are drawn on the CPU, except on "meta" (shapes only, for counting)."""
-    return "meta" if torch.device(device or "cpu").type == "meta" else "cpu"
-
-
-def _param(data: torch.Tensor, meta: ParamMeta, dtype: torch.dtype,
-           device: torch.device | str | None) -> nn.Parameter:
-    return set_meta(nn.Parameter(data.to(device=device, dtype=dtype)), meta)
+Device = torch.device | str | None
 
 
 def _divide(numerator: int, tp: AxisGroup, what: str) -> int:
@@ -47,6 +41,35 @@ def _divide(numerator: int, tp: AxisGroup, what: str) -> int:
                           f"{tp.size}; choose a multiple of {tp.size} or change "
                           "--tensor-model-parallel-size")
     return numerator // tp.size
+
+
+def _tp_ranges(length: int, tp: AxisGroup, what: str, stride: int = 1) -> list[tuple[int, int]]:
+    """This rank's [start, end) ranges of a dimension of ``length`` split over ``tp``: its
+    chunk of each of ``stride`` stacked sub-matrices, in order (the layout ``tp_shard``
+    cuts from a full tensor)."""
+    local = _divide(length, tp, what)
+    if local % stride != 0:
+        raise ConfigError(f"{what} {length} does not divide by tensor-parallel size x stride "
+                          f"= {tp.size} x {stride}; choose a multiple of {tp.size * stride}")
+    sub, chunk = length // stride, local // stride
+    return [(k * sub + tp.rank * chunk, k * sub + (tp.rank + 1) * chunk) for k in range(stride)]
+
+
+def _weight(shape: tuple[int, int], dim: int, ranges: list[tuple[int, int]], std: float,
+            seed: int, name: str, draw: bool, dtype: torch.dtype,
+            device: Device) -> torch.Tensor:
+    """This rank's slices ``ranges`` along ``dim`` of the logical weight ``shape``, drawn in
+    place; zeros when ``draw`` is False, for a checkpoint to overwrite."""
+    local = list(shape)
+    local[dim] = sum(end - start for start, end in ranges)
+    if not draw:
+        return torch.zeros(local, dtype=dtype, device=device)
+    out = torch.empty(local, dtype=dtype, device=device)
+    return fill_normal(out, std, seed, name, shape, dim, ranges)
+
+
+def _param(data: torch.Tensor, meta: ParamMeta) -> nn.Parameter:
+    return set_meta(nn.Parameter(data), meta)
 
 
 class _SequenceGatherLinear(torch.autograd.Function):
@@ -98,24 +121,23 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, name: str,
                  seed: int, init_std: float, bias: bool = True, gather_output: bool = False,
                  stride: int = 1, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: Device = None,
+                 draw_weights: bool = True) -> None:
         super().__init__()
         self.tp, self.gather_output, self.stride = tp, gather_output, stride
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
-        out_local = _divide(out_features, tp, f"{name}: output features")
-        full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight",
-                             device)
-        self.weight = _param(tp_shard(full, 0, tp.rank, tp.size, stride),  # [out/tp, in]
-                             ParamMeta(name=f"{name}.weight", tp_split_dim=0, tp_stride=stride),
-                             params_dtype, device)
+        rows = _tp_ranges(out_features, tp, f"{name}: output features", stride)
+        weight = _weight((out_features, in_features), 0, rows, init_std, seed, f"{name}.weight",
+                         draw_weights, params_dtype, device)  # [out/tp, in]
+        self.weight = _param(weight, ParamMeta(name=f"{name}.weight", tp_split_dim=0,
+                                               tp_stride=stride))
         self.bias = None
         if bias:
-            self.bias = _param(torch.zeros(out_local, device=_draw_device(device)),  # [out/tp]
+            self.bias = _param(torch.zeros(weight.shape[0], dtype=params_dtype,
+                                           device=device),  # [out/tp]
                                ParamMeta(name=f"{name}.bias", no_weight_decay=True,
-                                         tp_split_dim=0, tp_stride=stride),
-                               params_dtype, device)
+                                         tp_split_dim=0, tp_stride=stride))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # [s/tp, b, in] -> [s, b, out/tp]
@@ -146,23 +168,21 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, name: str,
                  seed: int, init_std: float, bias: bool = True, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: Device = None, draw_weights: bool = True) -> None:
         super().__init__()
         self.tp, self.input_is_parallel = tp, input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
-        _divide(in_features, tp, f"{name}: input features")
-        full = seeded_normal((out_features, in_features), init_std, seed, f"{name}.weight",
-                             device)
-        self.weight = _param(tp_shard(full, 1, tp.rank, tp.size),  # [out, in/tp]
-                             ParamMeta(name=f"{name}.weight", tp_split_dim=1),
-                             params_dtype, device)
+        columns = _tp_ranges(in_features, tp, f"{name}: input features")
+        weight = _weight((out_features, in_features), 1, columns, init_std, seed,
+                         f"{name}.weight", draw_weights, params_dtype, device)  # [out, in/tp]
+        self.weight = _param(weight, ParamMeta(name=f"{name}.weight", tp_split_dim=1))
         self.bias = None
         if bias:
-            self.bias = _param(torch.zeros(out_features, device=_draw_device(device)),  # [out]
+            self.bias = _param(torch.zeros(out_features, dtype=params_dtype,
+                                           device=device),  # [out]
                                ParamMeta(name=f"{name}.bias", no_weight_decay=True,
-                                         sequence_parallel=sequence_parallel),
-                               params_dtype, device)
+                                         sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -187,25 +207,27 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: AxisGroup, name: str,
                  seed: int, init_std: float, logical_vocab_size: int,
-                 params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: Device = None,
+                 draw_weights: bool = True) -> None:
         super().__init__()
         if not 0 < logical_vocab_size <= num_embeddings:
             raise ConfigError(f"{name}: logical vocab size {logical_vocab_size} must be in "
                               f"1..{num_embeddings} (the padded size); pad the vocabulary up")
         self.tp, self.logical_vocab_size = tp, logical_vocab_size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        rows = _divide(num_embeddings, tp, f"{name}: padded vocabulary size")
-        self.vocab_start = tp.rank * rows
-        self.vocab_end = self.vocab_start + rows
-        # Drawn at the logical size, then zero-padded: the padded size never changes a value.
-        full = torch.zeros(num_embeddings, embedding_dim, device=_draw_device(device))
-        full[:logical_vocab_size] = seeded_normal((logical_vocab_size, embedding_dim), init_std,
-                                                  seed, f"{name}.weight", device)  # [v_pad, h]
-        self.weight = _param(tp_shard(full, 0, tp.rank, tp.size),  # [v_pad/tp, h]
-                             ParamMeta(name=f"{name}.weight", tp_split_dim=0,
-                                       logical_rows=logical_vocab_size),
-                             params_dtype, device)
+        [(self.vocab_start, self.vocab_end)] = _tp_ranges(
+            num_embeddings, tp, f"{name}: padded vocabulary size")
+        weight = torch.zeros(self.vocab_end - self.vocab_start, embedding_dim,
+                             dtype=params_dtype, device=device)  # [v_pad/tp, h]
+        # This rank's rows of the logical table [logical_vocab_size, h] come first; the padding
+        # rows after them stay zero, so the padded size never changes a value.
+        real = min(self.vocab_end, logical_vocab_size) - self.vocab_start
+        if draw_weights and real > 0:
+            fill_normal(weight[:real], init_std, seed, f"{name}.weight",
+                        (logical_vocab_size, embedding_dim), 0,
+                        [(self.vocab_start, self.vocab_start + real)])
+        self.weight = _param(weight, ParamMeta(name=f"{name}.weight", tp_split_dim=0,
+                                               logical_rows=logical_vocab_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] (global token ids) -> embeddings [b, s, h]."""

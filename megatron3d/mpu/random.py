@@ -1,8 +1,11 @@
 """Random numbers that do not depend on the parallel layout, and RNG streams for dropout.
 
-``seeded_normal`` draws every parameter's full initial value from a generator seeded by
-(seed, logical name), so a TP/PP/DP model starts identical to the single-process model
-whichever rank or pipeline stage builds it.
+``fill_normal`` draws the slices of a parameter's initial value that a rank owns, directly on
+its device. The logical tensor is cut along one dimension into blocks of whole slabs (about
+``BLOCK_NUMEL`` elements each), and block b is drawn from its own generator seeded by
+(seed, logical name, b): a value depends only on the seed, the name, the logical shape and its
+position, never on the layout, so a TP/PP/DP model starts identical to the single-process
+model while each rank draws only the blocks its slices touch (``seeded_normal``: all of them).
 
 ``RNGStreams`` holds the dropout streams: the device's default generator is the "default"
 stream (same seed on every TP rank, for dropout on replicated activations) and named extra
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -24,6 +28,10 @@ import torch
 MODEL_PARALLEL = "model-parallel"
 _MODEL_PARALLEL_SEED_OFFSET = 2718  # keeps the TP stream away from the default seed
 _PIPELINE_SEED_STRIDE = 100  # Megatron's per-stage offset of both streams' seeds
+# Elements of one independently seeded block of a logical weight (256 KiB in fp32): small
+# enough that a slice wastes little at its ends, large enough that per-block overhead (a
+# generator and a kernel launch) is negligible. Changing it changes every initial weight.
+BLOCK_NUMEL = 2**16
 
 
 def stable_seed(seed: int, name: str) -> int:
@@ -33,16 +41,52 @@ def stable_seed(seed: int, name: str) -> int:
 
 
 def seeded_normal(shape: Sequence[int], std: float, seed: int, name: str,
-                  device: torch.device | str | None = None) -> torch.Tensor:
-    """N(0, std^2) fp32 CPU tensor that depends only on ``seed``, ``name`` and ``shape``.
+                  device: torch.device | str | None = None, dim: int = 0) -> torch.Tensor:
+    """The whole logical N(0, std^2) fp32 tensor that ``fill_normal`` slices: what a single
+    process holds. On the "meta" device it only has the shape (for counting parameters)."""
+    out = torch.empty(tuple(shape), dtype=torch.float32, device=device or "cpu")
+    return fill_normal(out, std, seed, name, shape, dim)
 
-    On the "meta" device it only has the shape: the pipeline partitioner builds layers there
-    to count parameters without drawing or storing any weight.
+
+def fill_normal(out: torch.Tensor, std: float, seed: int, name: str, shape: Sequence[int],
+                dim: int = 0, ranges: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """Fill ``out`` with the slices ``ranges`` (non-empty [start, end) along ``dim``,
+    concatenated in order; default: all of it) of the logical N(0, std^2) tensor ``shape``
+    named ``name``.
+
+    ``dim`` also orients the blocks: a block is whole slabs along ``dim`` (rows for 0, columns
+    for 1), so a caller passes the dimension its slices split. It draws exactly the blocks
+    that ``ranges`` touch, each once, one at a time, on ``out``'s device (in fp32, rounded into
+    ``out``'s dtype): the work is its slices plus at most one partial block at each end of a
+    range, the transient memory one block. ``out`` has the logical shape except along ``dim``;
+    it is left untouched on the "meta" device.
     """
-    if torch.device(device or "cpu").type == "meta":
-        return torch.empty(tuple(shape), dtype=torch.float32, device="meta")
-    gen = torch.Generator(device="cpu").manual_seed(stable_seed(seed, name))
-    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+    if out.is_meta:
+        return out
+    slab = math.prod(n for i, n in enumerate(shape) if i != dim)
+    per_block = max(1, BLOCK_NUMEL // max(slab, 1))  # slabs along ``dim`` in one block
+    pos, cached = 0, None
+    for start, end in ranges or [(0, shape[dim])]:
+        for block in range(start // per_block, -(-end // per_block)):
+            lo, hi = block * per_block, min(shape[dim], (block + 1) * per_block)
+            if cached is None or cached[0] != block:  # stride > 1: ranges may share a block
+                cached = block, _block(std, seed, name, shape, dim, lo, hi, block, out.device)
+            first, last = max(start, lo), min(end, hi)
+            out.narrow(dim, pos, last - first).copy_(
+                cached[1].narrow(dim, first - lo, last - first))
+            pos += last - first
+    assert pos == out.shape[dim], f"{name}: ranges cover {pos} of {out.shape[dim]} slabs"
+    return out
+
+
+def _block(std: float, seed: int, name: str, shape: Sequence[int], dim: int, lo: int, hi: int,
+           block: int, device: torch.device) -> torch.Tensor:
+    """Slabs [lo, hi) along ``dim``, drawn in fp32 in slab-major order from block ``block``'s
+    own generator, created on ``device`` so the draw happens where the weight lives."""
+    rest = [n for i, n in enumerate(shape) if i != dim]
+    gen = torch.Generator(device=device).manual_seed(stable_seed(seed, f"{name}/{block}"))
+    values = torch.empty((hi - lo, *rest), dtype=torch.float32, device=device)
+    return values.normal_(0.0, std, generator=gen).movedim(0, dim)  # [..., hi - lo, ...]
 
 
 def _get_device_state(dev: torch.device) -> torch.Tensor:

@@ -129,7 +129,9 @@ class MixedPrecisionOptimizer:
 
     def load_local_state(self, state: dict[str, torch.Tensor], weights_only: bool) -> None:
         """Install what ``local_state`` returned (possibly from another layout, resharded by
-        the caller). The low-precision parameters are cast from the fp32 weights."""
+        the caller). The low-precision parameters are cast from the fp32 weights. Adam's
+        moments become views of ``state``'s moment buffers, which this takes over (the
+        caller must not reuse them): a copy would double them while a checkpoint loads."""
         for p in self.shard.pieces:
             part = state["weight"][p.local:p.local + p.end - p.start]
             self._master_part(p.start, p.end, p.local).copy_(part)
@@ -147,8 +149,8 @@ class MixedPrecisionOptimizer:
                   for g in self.inner.param_groups for p in g["params"]]
         for (p, on_device), (local, n) in zip(params, self._locals, strict=True):
             self.inner.state[p] = {
-                "exp_avg": state["exp_avg"][local:local + n].clone().view_as(p),
-                "exp_avg_sq": state["exp_avg_sq"][local:local + n].clone().view_as(p)}
+                "exp_avg": state["exp_avg"][local:local + n].view_as(p),
+                "exp_avg_sq": state["exp_avg_sq"][local:local + n].view_as(p)}
             if not in_groups:  # fused/capturable Adam keeps its step on the device
                 self.inner.state[p]["step"] = state["step"].to(
                     device=p.device if on_device else "cpu", dtype=torch.float32, copy=True)

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megatron3d.checkpoint import io as checkpoint_io
 from megatron3d.checkpoint import loading
 from megatron3d.checkpoint import manager as checkpoint
 from megatron3d.checkpoint.reader import find
@@ -27,6 +26,7 @@ from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.replicas import check_tp_replicas
 from megatron3d.mpu.state import ParallelState
+from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.optim.optimizer import format_param_groups
@@ -35,7 +35,6 @@ from megatron3d.pipeline.partition import format_partition_table, partition_laye
 from megatron3d.pipeline.spec import VirtualStages, build_chunks
 from megatron3d.pipeline.tied import TiedWeights
 from megatron3d.training import memory
-from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.data_setup import build_run_data
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
@@ -57,16 +56,20 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     check_same_config(cfg, state.world, dev)  # before anything could hang on a mismatch
     schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
     total_iters, train_samples = run_length(cfg, schedule)
-    data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule))
+    data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule), state.pp, dev)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                              vocab_size=data.vocab_size))
     lr_schedule = loading.resume_schedule(cfg, LRSchedule.from_config(
         cfg.optimizer, cfg.lr_schedule, train_samples, schedule.samples_for_iters,
         iteration_based=cfg.training.train_iters is not None))  # before the model: may refuse
     rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev)
+    # A checkpoint to load fills every weight: then nothing is drawn and the weights start at
+    # zero, equal on all copies for the tied broadcast and replica checks until it does.
+    directory = find(cfg.checkpoint.load) if cfg.checkpoint.load else None
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
-                       sequence_parallel=cfg.parallel.sequence_parallel)
+                       sequence_parallel=cfg.parallel.sequence_parallel,
+                       draw_weights=directory is None)
     logger.info(format_padded_vocab(cfg.model.vocab_size, ctx.padded_vocab_size))
     size = model_size(ctx)
     engine = build_engine(cfg, state, ctx, size)
@@ -85,7 +88,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     check_replicas()
     optimizer = build_optimizer(cfg, state, data_parallel, params)
     grad_sync = GradSync(params, data_parallel, tied, state)
-    progress, series = _resume(cfg, state, params, optimizer, rng)
+    progress, series = _resume(cfg, state, params, optimizer, rng, directory)
     if cfg.checkpoint.load:  # copies must agree after loading as they did at start
         check_replicas()
         tied.check_identical(data_parallel.values_of(tied.params))
@@ -110,7 +113,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                                  enabled=state.world_rank == logging_rank(state)),
         check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp,
         data_parallel=data_parallel,
-        save=functools.partial(_save, cfg, state, params, optimizer, rng, lr_schedule, series)
+        save=checkpoint.Saver(cfg, state, params, optimizer, rng, lr_schedule, series)
         if cfg.checkpoint.save else None,
         exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started), progress=progress)
 
@@ -164,10 +167,11 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataP
 
 
 def _resume(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-            optimizer: MixedPrecisionOptimizer, rng: RNGStreams) -> tuple[Progress, str]:
-    """Where training starts (the --load checkpoint's position, or zero) and the series of
-    checkpoints this run writes (the loaded one's when resuming, else a new one)."""
-    directory = find(cfg.checkpoint.load) if cfg.checkpoint.load else None
+            optimizer: MixedPrecisionOptimizer, rng: RNGStreams,
+            directory: Path | None) -> tuple[Progress, str]:
+    """Where training starts (the position of the checkpoint in ``directory``, found in
+    --load, or zero) and the series of checkpoints this run writes (the loaded one's when
+    resuming, else a new one)."""
     if directory is None:
         if cfg.checkpoint.load:
             logger.info("no checkpoint in %s: starting from scratch", cfg.checkpoint.load)
@@ -177,16 +181,6 @@ def _resume(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
     logger.info("loaded %s (iteration %d)", directory, loaded.iteration)
     return Progress(loaded.iteration, loaded.consumed_samples,
                     loaded.consumed_tokens), loaded.series
-
-
-def _save(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-          optimizer: MixedPrecisionOptimizer, rng: RNGStreams, lr_schedule: LRSchedule,
-          series: str, progress: Progress) -> str:
-    """Save at ``progress``; the checkpoint's directory."""
-    checkpoint.save(cfg.checkpoint.save, cfg, state, params, optimizer,
-                    checkpoint.Progress(progress.iteration, progress.consumed_samples,
-                                        progress.consumed_tokens, series), rng, lr_schedule)
-    return str(checkpoint_io.iteration_dir(Path(cfg.checkpoint.save), progress.iteration))
 
 
 def valid_samples(cfg: TrainConfig, schedule: BatchSchedule) -> int:

@@ -10,6 +10,7 @@ test split is read once, at the end, for as many samples as one evaluation (Mega
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +19,11 @@ from megatron3d.config import TrainConfig
 from megatron3d.data.blended_dataset import format_report
 from megatron3d.data.builder import build_datasets, dry_run_report
 from megatron3d.data.mock import MockGPTDataset
-from megatron3d.data.sampler import TokenDataset
+from megatron3d.data.sampler import TokenDataset, UnreadDataset
 from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
 from megatron3d.errors import ConfigError
+from megatron3d.mpu import comm
+from megatron3d.mpu.state import AxisGroup
 
 VALID_SAMPLE_OFFSET = 2**48
 """Validation samples of the mock dataset start here: same distribution, disjoint samples."""
@@ -47,8 +50,32 @@ class _Offset:
         return self.dataset.samples(self.offset + start, count)
 
 
-def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int) -> RunData:
-    """``valid_samples``: what one evaluation reads, from the validation and the test split."""
+def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int,
+                   pp: AxisGroup | None = None, device: torch.device | None = None) -> RunData:
+    """``valid_samples``: what one evaluation reads, from the validation and the test split.
+
+    Only the first and the last pipeline stage (``pp``) use tokens, labels and loss masks;
+    a middle stage opens no dataset file and gets ``UnreadDataset``s (it learns from the
+    others, in one collective, whether the test split has samples: every stage must run the
+    same evaluations)."""
+    if pp is not None and 0 < pp.rank < pp.size - 1:
+        data = _unread(cfg)
+    else:
+        data = _read(cfg, train_samples, valid_samples)
+    if pp is not None and pp.size > 2:
+        flag = torch.tensor([float(data.test is not None)], device=device)
+        if comm.all_reduce(flag, pp, op=comm.MAX).item() and data.test is None:
+            data = dataclasses.replace(data, test=UnreadDataset())
+    return data
+
+
+def _unread(cfg: TrainConfig) -> RunData:
+    vocab = (cfg.model.vocab_size if cfg.data.mock_data
+             else build_tokenizer(_tokenizer_spec(cfg)).vocab_size)
+    return RunData(vocab, UnreadDataset(), UnreadDataset(), None, None)
+
+
+def _read(cfg: TrainConfig, train_samples: int, valid_samples: int) -> RunData:
     if cfg.data.mock_data:
         mock = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed)
         return RunData(cfg.model.vocab_size, mock, _Offset(mock, VALID_SAMPLE_OFFSET),

@@ -19,11 +19,11 @@ from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch
 from megatron3d.log import Point, TensorBoardWriter, every_rank_logger, get_logger
 from megatron3d.mpu.state import AxisGroup
+from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.pipeline.engine import PipelineEngine
 from megatron3d.training import memory
-from megatron3d.training.batch_schedule import BatchSchedule
 from megatron3d.training.evaluate import evaluate, format_eval_line, perplexity
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
@@ -49,6 +49,14 @@ class Heartbeat(Protocol):
     def starting(self, iteration: int) -> None: ...
     def beat(self, iteration: int) -> None: ...
     def allowance(self, phase: str) -> contextlib.AbstractContextManager: ...
+
+
+class Saver(Protocol):
+    """Saves a checkpoint at ``progress`` and returns its directory; ``wait`` returns once the
+    saves started are published (with --async-save they are written in the background)."""
+
+    def __call__(self, progress: Progress) -> str: ...
+    def wait(self) -> None: ...
 
 
 class _NoHeartbeat:
@@ -103,7 +111,7 @@ class Trainer:
     grad_sync: GradSync  # reductions between backward and the optimizer step
     dp: AxisGroup
     data_parallel: DataParallel  # buffers and shards of this rank's ZeRO stage
-    save: Callable[[Progress], str] | None  # writes a checkpoint, returns its directory
+    save: Saver | None  # checkpoint.manager.Saver under --save
     exit_watch: ExitWatch
     progress: Progress = field(default_factory=Progress)
     heartbeat: Heartbeat = field(default_factory=_NoHeartbeat)
@@ -153,7 +161,7 @@ class Trainer:
             self._last.train_loss = result.loss  # stays on the device until the summary
             # Still under the signal handlers: the launcher forwards the preemption SIGTERM a
             # moment after the job's own, and it must not kill the final save half-way.
-            self._save()
+            self._save(final=True)
         return reason
 
     def _point(self) -> Point:
@@ -193,10 +201,14 @@ class Trainer:
         if save_every and it % save_every == 0:
             self._save()
 
-    def _save(self) -> None:
+    def _save(self, final: bool = False) -> None:
+        """Save at this iteration; the final save returns only once it is published (an
+        earlier one may still be written in the background while training goes on)."""
         if self.save is not None:
             with self.heartbeat.allowance("checkpoint save"):
                 self._last.checkpoint = self.save(self.progress)
+                if final:
+                    self.save.wait()
 
     def _step(self) -> tuple[StepResult, float, int]:
         consumed = self.progress.consumed_samples

@@ -1,13 +1,22 @@
-"""Per-rank memory of parameters, gradients and optimizer state: analytic and measured.
+"""Per-rank memory of parameters, gradients and optimizer state: the one model the topology
+planner, the start-up report and the up-front fit check share, and what a rank really holds.
 
-The analytic numbers follow the ZeRO paper's accounting for this rank's parameters P (its
-pipeline stage and TP slice): parameters P x (2 or 4) bytes, fp32 gradient buffer 4P, and
-optimizer state (fp32 master copy when the model is bf16/fp16, plus two fp32 Adam moments):
-12P or 8P bytes, divided by DP under ZeRO-1 (which also keeps a 4P/DP buffer of its
-reduce-scattered gradients). ZeRO-3 divides parameters, gradients and optimizer state by DP
-and adds its live-unit buffers: L elements of slots holding (2 or 4) + 4 + 4/DP bytes each
-(gathered parameters, their fp32 gradients, the reduce-scatter output). Measured numbers read
-the real buffers, so padding shows.
+``state_bytes`` turns a rank's buffer sizes (``Buffers``, in elements) into bytes:
+
+- ZeRO-0/1: the flat parameter buffer (model dtype) and the flat fp32 gradient buffer, both
+  of the padded layout (each bucket padded to a multiple of DP under ZeRO-1), and under
+  ZeRO-1 the fp32 buffer of this rank's reduce-scattered slice;
+- ZeRO-3: this rank's 1/DP shard of every unit (model dtype, and its fp32 gradients) and the
+  slot buffers gathered units live in: per slot element its parameter, its fp32 gradient,
+  with a bf16 wire a bf16 copy, and 1/DP of an element of reduce-scatter output;
+- optimizer state: the fp32 master copy of the slice a rank updates (bf16/fp16 models,
+  padding included) and Adam's two fp32 moments of the real elements in it.
+
+The sizes come from the real layout (``planned_buffers``: the rank's stage and its ZeRO
+buffers are built on the meta device by the framework's own code, so every padding, bucket
+and slot is the run's and nothing is allocated), or from totals alone (``analytic``: the
+start-up report and ``check_fits`` know a rank's parameter count, not its padding).
+``measured`` reads the real buffers of a run.
 """
 
 from __future__ import annotations
@@ -26,7 +35,11 @@ from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.pipeline.partition import partition_layers
-from megatron3d.zero.factory import DataParallel
+from megatron3d.pipeline.spec import VirtualStages, build_chunks
+from megatron3d.zero.factory import DataParallel, build_data_parallel
+
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, per updated element
 
 
 @dataclass(frozen=True)
@@ -46,18 +59,71 @@ class MemoryBytes:
                 f"{self.optimizer_state:>14,} B ({self.optimizer_state / gib:.3f} GiB)"]
 
 
+@dataclass(frozen=True)
+class Buffers:
+    """Element counts of one rank's ZeRO buffers.
+
+    flat: the padded flat layout of the rank's parameters; shard: the elements it updates
+    (its slices under ZeRO-1/3, padding included; ``flat`` without ZeRO); updated: the real
+    parameter elements among them; slots: ZeRO-3's slot elements (0 otherwise).
+    """
+
+    flat: int
+    shard: int
+    updated: int
+    slots: int = 0
+
+
+def state_bytes(buffers: Buffers, param_bytes: int, zero_stage: int, dp: int,
+                wire_bytes: int = FP32) -> MemoryBytes:
+    """Bytes of ``buffers`` (see the module docstring); ``wire_bytes``: 2 when data-parallel
+    gradients travel in bf16 (``--grad-reduce-in-bf16``)."""
+    master = FP32 * buffers.shard if param_bytes < FP32 else 0
+    optimizer = master + ADAM_MOMENTS * FP32 * buffers.updated
+    if zero_stage == 3:
+        slots = buffers.slots
+        copy = wire_bytes * slots if wire_bytes < FP32 else 0
+        return MemoryBytes(params=param_bytes * (buffers.shard + slots),
+                           grads=FP32 * (buffers.shard + slots) + copy + wire_bytes * slots // dp,
+                           optimizer_state=optimizer)
+    sliced = FP32 * buffers.shard if zero_stage == 1 else 0
+    return MemoryBytes(params=param_bytes * buffers.flat, grads=FP32 * buffers.flat + sliced,
+                       optimizer_state=optimizer)
+
+
 def analytic(num_params: int, param_bytes: int, zero_stage: int, dp: int,
              live_numel: int = 0) -> MemoryBytes:
-    """``live_numel``: elements of ZeRO-3's slot buffers (``live_numel()``)."""
-    master = 4 * num_params if param_bytes < 4 else 0
-    optimizer_state = (master + 8 * num_params) // (dp if zero_stage else 1)
-    if zero_stage == 3:
-        return MemoryBytes(params=param_bytes * (num_params // dp + live_numel),
-                           grads=4 * num_params // dp + live_numel * (4 + 4 // dp),
-                           optimizer_state=optimizer_state)
-    shard_grads = 4 * num_params // dp if zero_stage == 1 else 0
-    return MemoryBytes(params=param_bytes * num_params, grads=4 * num_params + shard_grads,
-                       optimizer_state=optimizer_state)
+    """``state_bytes`` from a rank's parameter count alone (no padding known);
+    ``live_numel``: elements of ZeRO-3's slot buffers (``live_numel()``)."""
+    shard = num_params // dp if zero_stage else num_params
+    return state_bytes(Buffers(flat=num_params, shard=shard, updated=shard, slots=live_numel),
+                       param_bytes, zero_stage, dp)
+
+
+def planned_buffers(cfg: TrainConfig, tp: int, dp: int,
+                    spans: list[tuple[int, int]]) -> Buffers:
+    """The ZeRO buffers of a rank holding the layers ``spans`` (its model chunks, ranges of
+    ``gpt_layer_specs``) at tensor-parallel size ``tp`` and data-parallel size ``dp``, as
+    ``build_trainer`` lays them out, built on the meta device."""
+    meta = torch.device("meta")
+    ctx = LayerContext(cfg.model, _axis(tp), cfg.training.seed,
+                       getattr(torch, cfg.precision.params_dtype_name), meta,
+                       sequence_parallel=cfg.parallel.sequence_parallel)  # nothing is drawn
+    chunks = build_chunks(gpt_layer_specs(ctx), spans)
+    stage = chunks[0] if len(chunks) == 1 else VirtualStages(chunks)
+    data_parallel = build_data_parallel(
+        list(stage.parameters()), list(stage.layers), _axis(dp), cfg.parallel,
+        lambda _param: True, meta, tuple(len(chunk.layers) for chunk in chunks))
+    shard = data_parallel.shard
+    updated = sum(end - start for _, start, end, _ in shard.segment_parts())
+    return Buffers(flat=shard.layout.numel, shard=shard.numel, updated=updated,
+                   slots=live_numel(data_parallel))
+
+
+def _axis(size: int) -> AxisGroup:
+    """Rank 0's view of an axis of ``size`` ranks, without processes (every rank of an axis
+    holds the same sizes: layouts split evenly)."""
+    return AxisGroup(None, 0, size, tuple(range(size)))
 
 
 def live_numel(data_parallel: DataParallel) -> int:

@@ -19,7 +19,7 @@ from tests.helpers.tools import load_tool, tool_logging
 
 generate_tool = load_tool("generate.py")
 PROMPT = [5, 17, 3, 99, 42]
-VARIED = [100, 150]
+VARIED = [200, 3]
 IDS = ["--prompt-ids", " ".join(map(str, PROMPT))]
 
 

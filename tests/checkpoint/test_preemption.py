@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -20,20 +19,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.tiny import train_argv
+from tests.helpers.preemption import (
+    DROPOUT,
+    ITER_LINE,
+    LARGE,
+    LOADED,
+    MEDIUM,
+    REPO,
+    START_TIMEOUT_S,
+    argv,
+    iter_dir,
+    latest,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-ITER_LINE = re.compile(
-    r"^ iteration +(\d+)/ *\d+ \| consumed samples: +(\d+) \| .*\| learning rate: (\S+) \| "
-    r".*\| lm loss: (\S+) \| loss scale: \S+ \| grad norm: (\S+) \|")
-LOADED = re.compile(r"loaded (\S+) \(iteration (\d+)\)")
-START_TIMEOUT_S = 60.0  # import, build and the first steps on a loaded 2-core machine
 EXIT_TIMEOUT_S = 10.0  # a signalled run finishes one step and saves a tiny checkpoint
-# Model sizes (flags appended to the tiny command line; later flags win).
-SMALL: list[str] = []  # ~15 ms a step
-MEDIUM = ["--hidden-size", "128", "--seq-length", "64"]  # ~40 ms a step, 5 MB checkpoints
-LARGE = ["--hidden-size", "256", "--seq-length", "64"]  # ~100 ms a step, 19 MB checkpoints
-DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
 class Run:
@@ -130,20 +129,6 @@ def run_to_end(argv: list[str], timeout: float = START_TIMEOUT_S) -> Run:
         code = run.finish(timeout)
         assert code == 0, f"exit code {code}:\n{run.tail}"
         return run
-
-
-def argv(iters: int, *extra: str) -> list[str]:
-    """The tiny command line; one warm-up step, so that two-iteration runs are valid."""
-    return train_argv("gpt2", iters, "--lr-warmup-iters", "1", *extra)
-
-
-def latest(root: Path) -> int | None:
-    path = root / "latest"
-    return int(path.read_text().strip()) if path.exists() else None
-
-
-def iter_dir(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}"
 
 
 def assert_complete(root: Path, iteration: int) -> dict:

@@ -90,6 +90,23 @@ def test_waiting_on_a_live_lock_times_out_with_the_fix(tmp_path):
         cache.get_or_build("n", {"k": 1}, lambda: {"a": np.zeros(1)})
 
 
+def test_waiters_back_off_up_to_a_bound(tmp_path, monkeypatch):
+    """A waiter looks again after 0.1 s, then 0.2, 0.4 ... capped at max_poll_s: many ranks
+    waiting on a shared filesystem do not stat it ten times a second each."""
+    from megatron3d.data import index_cache
+
+    slept: list[float] = []
+    monkeypatch.setattr(index_cache.time, "sleep", slept.append)
+    cache = IndexCache(str(tmp_path), timeout_s=3600, poll_s=0.1, max_poll_s=1.0)
+    entry = os.path.join(str(tmp_path), f"n-{cache_key({'k': 1})}")
+    with open(entry + ".lock", "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()} 0\n")  # held by us: alive
+    monkeypatch.setattr(index_cache, "_remove_if_stale", lambda lock: len(slept) >= 8 and (
+        os.remove(lock) or True))  # the holder "dies" after 8 waits: then we build
+    cache.get_or_build("n", {"k": 1}, lambda: {"a": np.zeros(1)})
+    assert slept == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0, 1.0])
+
+
 def test_a_lock_of_a_dead_process_is_taken_over(tmp_path):
     cache = IndexCache(str(tmp_path), timeout_s=5, poll_s=0.05)
     entry = os.path.join(str(tmp_path), f"n-{cache_key({'k': 1})}")

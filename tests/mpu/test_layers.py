@@ -71,7 +71,8 @@ def check_row(tp: AxisGroup, input_is_parallel: bool) -> None:
     full_bias = seeded_normal((IN,), 1.0, SEED, "row.bias_value")
     with torch.no_grad():
         layer.bias.copy_(full_bias)
-    w_ref = seeded_normal((IN, OUT), STD, SEED, "row.weight").requires_grad_()
+    # Drawn in blocks of columns, the dimension it is split along.
+    w_ref = seeded_normal((IN, OUT), STD, SEED, "row.weight", dim=1).requires_grad_()
     b_ref = full_bias.clone().requires_grad_()
     x_ref = _leaf((S, B, OUT), "x")
     dy = seeded_normal((S, B, IN), 1.0, SEED, "dy")  # [s, b, in]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron3d.config import LRScheduleConfig, OptimizerConfig
+from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
-from megatron3d.training.batch_schedule import BatchSchedule
 from tests.helpers.runs import learning_rates
 from tests.helpers.tiny import ramp_argv
 

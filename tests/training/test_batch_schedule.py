@@ -8,7 +8,7 @@ import pytest
 
 from megatron3d.config import TrainingConfig
 from megatron3d.errors import ConfigError
-from megatron3d.training.batch_schedule import BatchSchedule
+from megatron3d.optim.batch_schedule import BatchSchedule
 
 # START=4 INCR=4 SAMPLES=64 G=16: 3 increments, one every 64/3 = 21.33 samples, so the size
 # becomes 8 at consumed 22 (ceil 21.33), 12 at 43 (ceil 42.67) and 16 at 64.

@@ -143,3 +143,36 @@ def test_a_run_far_longer_than_the_data_is_refused_before_the_index(dataset, cap
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert "the train split needs 1,000,000,000,000 samples" in err and "GiB" in err
+
+
+def _pp4_run(prefix: str, cache: str) -> tuple[int, object]:
+    """Train at PP=4 (4 blocks, one per stage), counting the datasets this rank opens."""
+    from megatron3d.data import indexed_dataset
+
+    opened: list[str] = []
+    real = indexed_dataset.IndexedDataset.__init__
+
+    def counting(self, path_prefix: str, *args, **kwargs) -> None:
+        opened.append(path_prefix)
+        real(self, path_prefix, *args, **kwargs)
+
+    indexed_dataset.IndexedDataset.__init__ = counting
+    try:
+        result = train(_argv(prefix, cache, 4, *EQUIVALENCE_FLAGS, "--num-layers", "4",
+                             "--pipeline-model-parallel-size", "4", "--pp-partition-method",
+                             "type:transformer", "--split", "80,10,10"))
+    finally:
+        indexed_dataset.IndexedDataset.__init__ = real
+    return len(opened), result
+
+
+def test_middle_pipeline_stages_open_no_dataset(dataset):
+    """Only the first stage (tokens) and the last (labels and loss masks) read data; the
+    run is the same model as one process, test-split evaluation included."""
+    prefix, cache = dataset
+    extra = (*EQUIVALENCE_FLAGS, "--num-layers", "4", "--split", "80,10,10")
+    reference = train_single(_argv(prefix, cache, 4, *extra))
+    per_rank = run_distributed(_pp4_run, 4, prefix, cache, timeout_s=180)
+    assert [opened for opened, _ in per_rank][1:3] == [0, 0]
+    assert all(opened > 0 for opened, _ in (per_rank[0], per_rank[3]))
+    assert_same_run(merge_ranks([result for _, result in per_rank]), reference, FP32)

@@ -192,10 +192,13 @@ class BatchSchedule:
             return
         low = min(sizes)
         valid = list(range(-(-low // unit) * unit, self.global_batch_size + 1, unit))
+        below = self.global_batch_size // unit * unit
+        nearest = f"{below} or {below + unit}" if below else str(unit)
         raise ConfigError(
             f"{flag}: global batch size(s) {_join(bad)} not divisible by --micro-batch-size "
             f"{self.micro_batch_size} x data-parallel size {self.dp_size} = {unit}; "
-            f"valid sizes from {low} to {self.global_batch_size}: {_join(valid) or 'none'} "
+            f"valid sizes from {low} to {self.global_batch_size}: "
+            f"{_join(valid) or f'none, nearest {nearest}'} "
             f"(change {flag} or --micro-batch-size)")
 
 

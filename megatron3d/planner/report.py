@@ -1,0 +1,91 @@
+"""What the planner prints: the ranked table, one JSON object per layout, and a summary."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+from megatron3d.config import ModelConfig
+from megatron3d.model.context import LayerContext
+from megatron3d.mpu.state import AxisGroup
+from megatron3d.planner.hardware import GIB, Cluster
+from megatron3d.planner.search import Plan
+from megatron3d.training.model_size import model_size
+
+_HEADER = (f"{'#':>4} {'TP':>3} {'PP':>3} {'DP':>4} {'MBS':>3} {'ZeRO':>4} {'recompute':<9} "
+           f"{'v':>2} {'partition':<26} {'GiB':>6} {'s/iter':>8} {'TFLOPs':>7} {'bubble':>6}  "
+           "reason")
+
+
+def model_parameters(model: ModelConfig) -> int:
+    """The model's parameters, a tied embedding once, as the start-up log counts them."""
+    return model_size(LayerContext(model, AxisGroup.single(), seed=0)).unique
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    """The object ``--json`` writes for one layout (GiB, seconds, TFLOP/s per GPU; six
+    significant digits), None where validation refused the layout before it was sized."""
+    layout, memory, time = plan.layout, plan.memory, plan.time
+    sized, timed = memory is not None, time is not None
+    return {
+        "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+        "micro_batch_size": layout.micro_batch_size, "zero_stage": layout.zero_stage,
+        "checkpoint_activations": layout.checkpoint_activations,
+        "recompute": layout.recompute, "partition_method": layout.partition_method,
+        "virtual_pipeline_model_parallel_size": layout.virtual,
+        "feasible": plan.feasible, "reason": plan.reason,
+        "memory_gb": _significant(memory.total / GIB) if sized else None,
+        "fullest_pipeline_rank": plan.fullest_rank if sized else None,
+        "states_gb": _significant(memory.states.total / GIB) if sized else None,
+        "activations_gb": _significant(memory.activations / GIB) if sized else None,
+        "iteration_s": _significant(time.iteration_s) if timed else None,
+        "tflops_per_gpu": _significant(time.tflops_per_gpu) if timed else None,
+        "bubble_fraction": _significant(time.bubble_s / time.iteration_s) if timed else None,
+        "flags": layout.flags(),
+    }
+
+
+def _significant(value: float) -> float:
+    return float(f"{value:.6g}")
+
+
+def table(plans: list[Plan], top: int) -> str:
+    """The first ``top`` rows of ``plans`` (all when 0), in their order."""
+    rows = [_HEADER]
+    for number, plan in enumerate(plans[:top or None], 1):
+        layout, row = plan.layout, to_json(plan)
+        bubble = "-" if row["bubble_fraction"] is None else f"{row['bubble_fraction']:.1%}"
+        rows.append(
+            f"{number:>4} {layout.tp:>3} {layout.pp:>3} {layout.dp:>4} "
+            f"{layout.micro_batch_size:>3} {layout.zero_stage:>4} {layout.recompute:<9} "
+            f"{layout.virtual:>2} {layout.partition_method:<26} {_cell(row['memory_gb'], 1):>6} "
+            f"{_cell(row['iteration_s'], 4, 'g'):>8} {_cell(row['tflops_per_gpu'], 1):>7} "
+            f"{bubble:>6}  {plan.reason or 'feasible'}")
+    return "\n".join(rows)
+
+
+def _cell(value: float | None, digits: int, style: str = "f") -> str:
+    return "-" if value is None else f"{value:.{digits}{style}}"
+
+
+def _kind(reason: str) -> str:
+    """A reason without its details: cut before the values and fix, numbers as N."""
+    head = re.split(r" \(|; |, got ", reason)[0]
+    return re.sub(r"\d+(?:, (?:\d+|\.\.\.))*", "N", head)
+
+
+def summary(plans: list[Plan], cluster: Cluster, model: ModelConfig) -> str:
+    """One line on the model and cluster, one on how the layouts fared, and the reasons
+    validation gave most often."""
+    refused = Counter(_kind(plan.reason) for plan in plans if plan.memory is None)
+    out_of_memory = sum(1 for plan in plans if plan.memory is not None and not plan.feasible)
+    feasible = sum(1 for plan in plans if plan.feasible)
+    lines = [f"model: {model_parameters(model):,} parameters; cluster: {cluster.nodes} nodes x "
+             f"{cluster.gpus_per_node} GPUs of {cluster.gpu_memory_gb:g} GiB, "
+             f"{cluster.gpu_peak_tflops:g} TFLOP/s peak",
+             f"{len(plans)} layouts: {feasible} feasible, {out_of_memory} out of memory, "
+             f"{sum(refused.values())} refused by validation"
+             + ("" if feasible else " -- no layout fits")]
+    lines += [f"  {count:>6} x {reason}" for reason, count in refused.most_common(5)]
+    return "\n".join(lines)
