@@ -1,0 +1,36 @@
+"""Worker: one rank of a PyTorch row (DDP, FSDP2, DTensor TP, pipelining) on CPU/gloo."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.peers.batches import load_batches
+from benchmarks.peers.record import StepClock, write_rank
+from benchmarks.peers.torch_parallel import BUILDERS
+from benchmarks.peers.worker import parse_worker_args
+
+
+def main() -> None:
+    inputs = parse_worker_args()
+    dist.init_process_group("gloo")
+    batches = load_batches(inputs.batches)
+    weights = torch.load(inputs.weights, weights_only=True)
+    step = BUILDERS[inputs.row.variant](inputs.cfg, inputs.row, weights)
+    losses: list[torch.Tensor | None] = []
+    clock = StepClock()
+    dist.barrier()
+    clock.start()
+    for tokens in batches:
+        losses.append(step(tokens))
+        clock.tick()
+    held = None if losses[0] is None else [float(x) for x in losses]
+    # one report per row: TP and DP ranks all hold the loss, rank 0 of them reports it
+    reports = held is not None and not (dist.get_rank() > 0 and inputs.row.pp == 1)
+    write_rank(inputs.out, dist.get_rank(), held if reports else None, clock.times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

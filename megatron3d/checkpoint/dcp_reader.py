@@ -1,0 +1,151 @@
+"""Read global tensors, or slices of them, from a ``torch.distributed.checkpoint`` directory.
+
+Megatron-Core's ``torch_dist`` checkpoints are DCP directories: ``.metadata`` (a pickle of
+each tensor's global shape and the chunks that the saving ranks wrote) and ``*.distcp``
+files. DCP itself unpickles ``.metadata`` with plain ``pickle``, which would run any code a
+crafted file names; here it is read by an unpickler that resolves only DCP's own metadata
+classes, torch sizes and dtypes, so such a file is refused before anything runs. Tensor
+bytes are read by DCP (with torch's weights-only loader), one requested slice at a time, so
+memory stays near the stored chunks that slice touches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import math
+import pathlib
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem, metadata, planner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron3d.errors import CheckpointError
+
+_DCP_MODULES = {m.__name__: m for m in (metadata, planner, filesystem)}
+_PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves DCP's metadata classes, ``torch.Size``, dtypes, layouts and paths (values
+    that run no code when made), nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = getattr(_DCP_MODULES.get(module), name, None)
+        if isinstance(found, type) and found.__module__ == module and (
+                dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+            return found  # plain records (not DCP's readers and writers, nor imports)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
+                                                               torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return torch.serialization._get_layout
+        if module in ("pathlib", "pathlib._local") and name in _PATHS:  # a checkpoint_id
+            return getattr(pathlib, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
+
+
+class _SafeReader(filesystem.FileSystemReader):
+    """DCP's file reader, with ``.metadata`` read once by ``_MetadataUnpickler``."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        try:
+            with open(path / ".metadata", "rb") as file:
+                self.metadata = _MetadataUnpickler(file).load()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} has no .metadata: it is not a torch.distributed."
+                                  "checkpoint directory; pass a torch_dist checkpoint") from None
+        except (pickle.UnpicklingError, OSError, EOFError, ValueError, TypeError,
+                AttributeError, IndexError, KeyError) as err:
+            first = (str(err).strip() or type(err).__name__).splitlines()[0][:160]
+            raise CheckpointError(f"{path / '.metadata'} cannot be read safely ({first}): it "
+                                  "is damaged or crafted; save the checkpoint again") from None
+        if not isinstance(self.metadata, metadata.Metadata):
+            raise CheckpointError(f"{path / '.metadata'} holds a "
+                                  f"{type(self.metadata).__name__}, not DCP metadata")
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> metadata.Metadata:
+        return self.metadata
+
+
+class _SlicePlanner(planner.LoadPlanner):
+    """Reads one region of one stored tensor into ``out`` (the region's shape)."""
+
+    def __init__(self, name: str, offsets: Sequence[int], out: torch.Tensor) -> None:
+        self.name, self.offsets, self.out = name, tuple(offsets), out
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None,
+                       is_coordinator: bool = False) -> None:
+        self.stored = metadata.state_dict_metadata[self.name]
+
+    def create_local_plan(self) -> planner.LoadPlan:
+        wanted = ChunkStorageMetadata(torch.Size(self.offsets), self.out.shape)
+        return planner.LoadPlan(create_read_items_for_chunk_list(self.name, self.stored,
+                                                                 [wanted]))
+
+    def create_global_plan(self, plans: list[planner.LoadPlan]) -> list[planner.LoadPlan]:
+        return plans
+
+    def finish_plan(self, plan: planner.LoadPlan) -> planner.LoadPlan:
+        return plan
+
+    def load_bytes(self, read_item: planner.ReadItem, value: io.BytesIO) -> None:
+        raise AssertionError("only tensors are requested")
+
+    def resolve_tensor(self, read_item: planner.ReadItem) -> torch.Tensor:
+        region = self.out
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths,
+                                                  strict=True)):
+            region = region.narrow(dim, start, length)
+        return region
+
+    def commit_tensor(self, read_item: planner.ReadItem, tensor: torch.Tensor) -> None:
+        """The tensor was copied into ``out`` in place."""
+
+
+class DcpCheckpoint:
+    """The tensors of one DCP directory, by name; bytes entries (Megatron's extra state)
+    are not tensors and are left out."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._reader = _SafeReader(path)
+        items = self._reader.metadata.state_dict_metadata.items()
+        self.tensors: dict[str, TensorStorageMetadata] = {
+            name: md for name, md in items if isinstance(md, TensorStorageMetadata)}
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        md = self.tensors.get(name)
+        return None if md is None else tuple(md.size)
+
+    def covered(self, name: str) -> bool:
+        """The stored chunks of ``name`` add up to its whole global shape (the saving ranks
+        write disjoint chunks, so a lost file or chunk shows as a shortfall)."""
+        md = self.tensors[name]
+        return sum(math.prod(c.sizes) for c in md.chunks) == math.prod(md.size)
+
+    def read(self, name: str, offsets: Sequence[int] = (),
+             shape: Sequence[int] | None = None) -> torch.Tensor:
+        """``name``'s region at ``offsets`` of ``shape`` (default: the whole tensor), as fp32."""
+        md = self.tensors[name]
+        shape = tuple(md.size) if shape is None else tuple(shape)
+        offsets = tuple(offsets) + (0,) * (len(shape) - len(offsets))
+        out = torch.empty(shape, dtype=md.properties.dtype)
+        try:
+            dcp.load({}, storage_reader=self._reader,
+                     planner=_SlicePlanner(name, offsets, out), no_dist=True)
+        except CheckpointException as err:  # DCP wraps what went wrong, per rank
+            cause = next(iter(err.failures.values()))[0]
+            first = (str(cause).strip() or type(cause).__name__).splitlines()[0][:160]
+            raise CheckpointError(f"{self.path} cannot give {name} ({first}): a .distcp file "
+                                  "is missing or damaged; save the checkpoint again") from None
+        return out.to(torch.float32)
