@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,13 +51,16 @@ def missing_package(row: Row) -> str:
             "into the peers venv)")
 
 
-def run_row(row: Row, run_dir: Path, row_dir: Path, timeout_s: float) -> RowResult:
+def run_row(row: Row, run_dir: Path, row_dir: Path, timeout_s: float,
+            prefix: Sequence[str] = ()) -> RowResult:
+    """Run ``row``'s torchrun (behind ``prefix``, e.g. the limited-bandwidth namespace's
+    ``ip netns exec``) and collect its ranks' reports."""
     reason = missing_package(row)
     if reason:
         return RowResult(row, reason=reason)
     row_dir.mkdir(parents=True, exist_ok=True)
     (row_dir / "row.json").write_text(json.dumps(row.to_dict()))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={row.world_size}", "-m", WORKERS[row.framework],
            *worker_argv(run_dir, row_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1",

@@ -5,10 +5,12 @@ Megatron-Core CPU redirects (tested on their own: ``apply()`` patches torch glob
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
-from benchmarks.peers import runner
+from benchmarks.peers import bandwidth, runner
 from benchmarks.peers.batches import make_batches, rank_micro_batches
 from benchmarks.peers.config import REFERENCE, PeerConfig, Row, all_rows, build_config
 from benchmarks.peers.gpt2 import GPT2
@@ -180,6 +182,37 @@ def test_runner_states_why_a_row_did_not_run(monkeypatch):
            "RuntimeError: Connection reset by peer\nmore noise\n")
     assert first_error(log) == "RuntimeError: Connection reset by peer"
     assert first_error("") == "failed without output"
+
+
+def test_limited_bandwidth_needs_root_and_the_tools(monkeypatch):
+    monkeypatch.setattr(bandwidth.os, "geteuid", lambda: 1000)
+    assert "root" in bandwidth.unavailable()
+    monkeypatch.setattr(bandwidth.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bandwidth.shutil, "which", lambda tool: None)
+    assert bandwidth.unavailable() == "needs ip and tc (apt-get install iproute2)"
+    monkeypatch.setattr(bandwidth.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    assert bandwidth.unavailable() == ""
+
+
+def test_limited_bandwidth_limits_the_namespace_loopback_and_runs_every_rank_inside(
+        monkeypatch, tmp_path):
+    commands = bandwidth.setup_commands("2gbit")
+    inside = ["ip", "netns", "exec", bandwidth.NAMESPACE]
+    assert commands[0] == ["ip", "netns", "add", bandwidth.NAMESPACE]
+    assert commands[-1][:4] == inside and commands[-1][4:9] == ["tc", "qdisc", "add", "dev",
+                                                                 "lo"]
+    assert commands[-1][commands[-1].index("rate") + 1] == "2gbit"
+    ran = []
+
+    def fake_run(cmd, **kwargs):
+        ran.append(cmd)
+        kwargs["stdout"].write("RuntimeError: stopped here\n")
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
+    result = runner.run_row(REFERENCE, tmp_path, tmp_path / "row", 5.0, inside)
+    assert ran[0][:4] == inside and "torch.distributed.run" in ran[0]  # torchrun inside
+    assert result.reason.startswith("RuntimeError: stopped here")
 
 
 def _result(row: Row, losses: list[float], step_s: float, rss_mib: int) -> RowResult:
