@@ -39,7 +39,7 @@ from torch import nn
 
 from megatron3d import device as devices
 from megatron3d.checkpoint import chunk_index, io
-from megatron3d.checkpoint.chunks import KINDS, new_chunk, owns
+from megatron3d.checkpoint.chunks import KINDS, new_chunk, owned_parts
 from megatron3d.errors import CheckpointError
 from megatron3d.log import get_logger
 from megatron3d.mpu import comm
@@ -61,8 +61,7 @@ class HostSnapshot:
 
     def __init__(self, params: list[nn.Parameter], shard: Shard, state: ParallelState,
                  zero_stage: int) -> None:
-        parts = [(p, start, end, local) for p in params if owns(p, state, zero_stage)
-                 for start, end, local in shard.parts_of(p)]
+        parts = list(owned_parts(params, shard, state, zero_stage))
         total = sum(end - start for _, start, end, _ in parts)
         self._buffer = devices.host_buffer((len(KINDS), total), torch.float32)  # [kind, owned]
         self._spans: list[list[int]] = []  # [local offset, buffer offset, length], merged
@@ -160,7 +159,7 @@ class BackgroundSave:
             return
         assert job.thread is not None
         job.written.wait()
-        if self._anywhere(job.write_error is not None):
+        if comm.any_rank(job.write_error is not None, self._state.world, self._device):
             job.cancel.set()
             job.thread.join()
             raise job.write_error or CheckpointError(
@@ -168,17 +167,12 @@ class BackgroundSave:
                 f"{job.iteration} (its output says why): nothing was published and the "
                 f"checkpoints already saved in {job.directory.parent} are kept")
         job.thread.join()
-        if self._anywhere(job.publish_error is not None):
+        if comm.any_rank(job.publish_error is not None, self._state.world, self._device):
             raise job.publish_error or CheckpointError(
                 f"rank 0 could not publish the checkpoint of iteration {job.iteration} (its "
                 f"output says why): the checkpoints already saved in {job.directory.parent} "
                 "are kept")
         logger.info("saved checkpoint at iteration %d to %s", job.iteration, job.directory)
-
-    def _anywhere(self, mine: bool) -> bool:
-        """Whether any rank says so (one all-reduce, a sync: only at save boundaries)."""
-        flag = torch.tensor([float(mine)], device=self._device)
-        return bool(comm.all_reduce(flag, self._state.world, op=comm.MAX).item())
 
 
 def _all_written(staging: Path, world_size: int, cancel: threading.Event) -> bool:

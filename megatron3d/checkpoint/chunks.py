@@ -22,7 +22,7 @@ exactly what each rank holds and reuses the one definition of the layout (``shar
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -46,19 +46,24 @@ def owns(param: nn.Parameter, state: ParallelState, zero_stage: int) -> bool:
     return zero_stage > 0 or state.dp.rank == 0
 
 
+def owned_parts(params: list[nn.Parameter], shard: Shard, state: ParallelState,
+                zero_stage: int) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+    """(parameter, start, end, local offset) of every piece this rank writes, in the order
+    of its chunks: the one walk that saving, the async snapshot and the same-layout load
+    check share."""
+    for p in params:
+        if owns(p, state, zero_stage):
+            for start, end, offset in shard.parts_of(p):
+                yield p, start, end, offset
+
+
 def make_chunks(params: list[nn.Parameter], shard: Shard, local: dict[str, torch.Tensor],
                 state: ParallelState, zero_stage: int, kinds: Iterable[str]) -> list[dict]:
     """This rank's chunks of every kind in ``kinds`` (copied to CPU)."""
-    chunks = []
-    for p in params:
-        if not owns(p, state, zero_stage):
-            continue
-        for start, end, offset in shard.parts_of(p):
-            for kind in kinds:
-                data = local[kind][offset:offset + end - start].detach().cpu().clone()
-                chunks.append(new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size,
-                                        tuple(p.shape), start, end, data))
-    return chunks
+    return [new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size, tuple(p.shape), start,
+                      end, local[kind][offset:offset + end - start].detach().cpu().clone())
+            for p, start, end, offset in owned_parts(params, shard, state, zero_stage)
+            for kind in kinds]
 
 
 def new_chunk(meta: ParamMeta, kind: str, tp_rank: int, tp_size: int,

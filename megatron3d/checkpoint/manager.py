@@ -155,8 +155,7 @@ def _published(root: Path, progress: Progress, state: ParallelState,
     """Whether this checkpoint is already saved (the save interval and the end of the run
     met). Rank 0 decides, since only its series is ever written, and tells the others."""
     mine = state.world_rank == 0 and io.is_published(root, progress.iteration, progress.series)
-    flag = torch.tensor([float(mine)], device=device)
-    return bool(comm.all_reduce(flag, state.world, op=comm.MAX).item())
+    return comm.any_rank(mine, state.world, device)
 
 
 def _check_finite(local: dict[str, torch.Tensor], state: ParallelState, iteration: int,

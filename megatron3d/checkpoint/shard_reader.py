@@ -29,7 +29,7 @@ from torch import nn
 
 from megatron3d.checkpoint import chunk_index, io
 from megatron3d.checkpoint.chunk_index import Entry, Piece
-from megatron3d.checkpoint.chunks import KINDS, new_chunk, owns
+from megatron3d.checkpoint.chunks import KINDS, new_chunk, owned_parts
 from megatron3d.checkpoint.overlap import (
     Box,
     FilePages,
@@ -73,7 +73,7 @@ def read(directory: Path, meta: dict[str, Any], state: ParallelState,
                                                                      state.world_rank))
         mine = _what_i_write(params, shard, state, zero_stage, kinds)
         theirs = Counter(_description(c) for c in own["chunks"] if c["kind"] in kinds)
-        same_layout = _everywhere(state, device, mine == theirs)
+        same_layout = not comm.any_rank(mine != theirs, state.world, device)
     if same_layout:  # and every rank's own file holds what it would write now
         together(state, device, lambda: _copy_own(directory, state.world_rank, own, params,
                                                   shard, found, kinds))
@@ -102,11 +102,6 @@ def together(state: ParallelState, device: torch.device, work: Callable[[], T]) 
     raise CheckpointError(bytes(text.tolist()).rstrip(b"\0").decode(errors="replace"))
 
 
-def _everywhere(state: ParallelState, device: torch.device, mine: bool) -> bool:
-    flag = torch.tensor([float(mine)], device=device)
-    return bool(comm.all_reduce(flag, state.world, op=comm.MIN).item())
-
-
 def _description(chunk: dict) -> tuple:
     return tuple(tuple(chunk[k]) if k == "local_shape" else chunk[k] for k in CHUNK_KEYS
                  if k != "data")
@@ -117,8 +112,8 @@ def _what_i_write(params: list[nn.Parameter], shard: Shard, state: ParallelState
     """The descriptions of the chunks of ``kinds`` this rank saves (``chunks.make_chunks``)."""
     return Counter(_description(new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size,
                                           tuple(p.shape), start, end, None))
-                   for p in params if owns(p, state, zero_stage)
-                   for start, end, _ in shard.parts_of(p) for kind in kinds)
+                   for p, start, end, _ in owned_parts(params, shard, state, zero_stage)
+                   for kind in kinds)
 
 
 def _copy_own(directory: Path, rank: int, own: dict[str, Any], params: list[nn.Parameter],

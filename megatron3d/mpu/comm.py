@@ -44,6 +44,13 @@ def all_reduce(t: torch.Tensor, axis: AxisGroup, op: dist.ReduceOp = SUM) -> tor
     return t
 
 
+def any_rank(mine: bool, axis: AxisGroup, device: torch.device) -> bool:
+    """Whether any rank of the axis says ``mine`` (one all-reduce and a host sync: for
+    decisions outside the step, which every rank must take alike)."""
+    flag = torch.tensor([float(mine)], device=device)
+    return bool(all_reduce(flag, axis, op=MAX).item())
+
+
 def all_gather(t: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` in axis order (a new tensor)."""
     if axis.size == 1:

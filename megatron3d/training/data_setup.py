@@ -62,10 +62,9 @@ def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int,
         data = _unread(cfg)
     else:
         data = _read(cfg, train_samples, valid_samples)
-    if pp is not None and pp.size > 2:
-        flag = torch.tensor([float(data.test is not None)], device=device)
-        if comm.all_reduce(flag, pp, op=comm.MAX).item() and data.test is None:
-            data = dataclasses.replace(data, test=UnreadDataset())
+    if (pp is not None and pp.size > 2  # every stage takes part in the collective
+            and comm.any_rank(data.test is not None, pp, device) and data.test is None):
+        data = dataclasses.replace(data, test=UnreadDataset())
     return data
 
 
