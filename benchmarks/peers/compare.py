@@ -1,6 +1,7 @@
 """``python -m benchmarks.peers.compare [--quick]``: train one GPT with megatron3d and its
 peers at shared layouts, from the same weights on the same batches, and print a table per
-layout (median step time, ratio to megatron3d, peak RSS per rank, loss agreement).
+layout (median step time, ratio to megatron3d, peak RSS per rank, collectives and bytes per
+step, loss agreement) and whether each speed target was met.
 
 Every row is its own torchrun on CPU/gloo; rows of frameworks that are not installed say so.
 With ``--limited-bandwidth RATE`` every row runs a second time with its ranks talking over a
@@ -11,25 +12,32 @@ megatron3d single-process losses.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.peers import bandwidth
+from benchmarks.peers import bandwidth, chart, readme
 from benchmarks.peers.batches import save_batches
 from benchmarks.peers.config import REFERENCE, PeerConfig, Row, all_rows, build_config
 from benchmarks.peers.environment import describe
-from benchmarks.peers.runner import RowResult, run_row
+from benchmarks.peers.runner import REPO, RowResult, run_row
 from benchmarks.peers.table import LOSS_TOLERANCE, disagreeing, format_tables
+from benchmarks.peers.targets import check_targets
+
+README = REPO / "benchmarks" / "README.md"
+CHART = REPO / "benchmarks" / "peers_step_time.png"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="10 steps (the loss check's length)")
-    p.add_argument("--only", default="", help="run only rows whose label contains this "
-                   "(the megatron3d reference always runs)")
+    p.add_argument("--only", default="", help="run only rows whose label contains this, or "
+                   "one of these comma-separated texts (the megatron3d reference always runs)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run every row N times, round after round, and time over all runs")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="keep batches, weights, logs and rank reports here (default: a "
                    "temporary directory)")
@@ -37,7 +45,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limited-bandwidth", metavar="RATE", default=None,
                    help="run every row a second time in a network namespace whose loopback "
                    "tc limits to RATE (e.g. 2gbit); needs root, else skipped with the reason")
-    return p.parse_args(argv)
+    p.add_argument("--profile", action="store_true", help="every rank writes the profiler's "
+                   "table of one warm-up step (profile_rank{N}.txt in its row's directory)")
+    p.add_argument("--write-readme", action="store_true", help="write the report into "
+                   "benchmarks/README.md and the chart into benchmarks/peers_step_time.png")
+    args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: give at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,58 +60,86 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         run_dir = args.work_dir or Path(tmp)
         run_dir.mkdir(parents=True, exist_ok=True)
-        return _compare(args, run_dir)
+        return _compare(args, run_dir, argv if argv is not None else sys.argv[1:])
 
 
-def _compare(args: argparse.Namespace, run_dir: Path) -> int:
+def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> int:
     cfg = build_config(args.quick)
     cfg.to_json(run_dir / "config.json")
     save_batches(cfg, run_dir / "batches.pt")
-    rows = [REFERENCE] + [r for r in all_rows() if r != REFERENCE and args.only in r.label]
-    sys.stdout.write(f"{describe(cfg)}\n")
-    bad = _mode(args, cfg, rows, run_dir, "unlimited loopback", contextlib.nullcontext([]))
-    if args.limited_bandwidth and bad is not None:
+    wanted = args.only.split(",")
+    rows = [REFERENCE] + [r for r in all_rows()
+                          if r != REFERENCE and any(w in r.label for w in wanted)]
+    header = describe(cfg)
+    sys.stdout.write(f"{header}\n")
+    unlimited = _run_rows(args, rows, run_dir, [], "")
+    if unlimited is None:
+        return 1
+    modes = [("unlimited loopback", unlimited)]
+    notes = []
+    if args.limited_bandwidth:
         title = f"loopback limited to {args.limited_bandwidth} (tc tbf, network namespace)"
         skipped = bandwidth.unavailable()
         if skipped:
-            sys.stdout.write(f"\n## {title}: skipped, {skipped}\n")
+            notes.append(f"### {title}: skipped, {skipped}")
         else:
-            limited = _mode(args, cfg, rows, run_dir, title,
-                            bandwidth.limited_loopback(args.limited_bandwidth))
-            bad = None if limited is None else bad + limited
+            with bandwidth.limited_loopback(args.limited_bandwidth) as prefix:
+                limited = _run_rows(args, rows, run_dir, prefix, "limited-")
+            if limited is None:
+                return 1
+            modes.append((title, limited))
+    report = "\n\n".join([_mode_report(m, cfg) for m in modes] + notes)
+    sys.stdout.write(f"\n{report}\n")
+    if args.write_readme:
+        _write_readme(args, argv, cfg, header, report, modes)
+    bad = [f"{label} ({title})" for title, results in modes
+           for label in disagreeing(results, cfg.warmup_steps)]
     if bad:
         sys.stdout.write(f"\nloss differs by {LOSS_TOLERANCE:g} or more: {', '.join(bad)}\n")
-    return 0 if bad == [] else 1
+    return 1 if bad else 0
 
 
-def _mode(args: argparse.Namespace, cfg: PeerConfig, rows: list[Row], run_dir: Path,
-          title: str, network: contextlib.AbstractContextManager[list[str]]) -> list[str] | None:
-    """Run every row with the command prefix ``network`` gives and print the tables under
-    ``title``; the rows whose losses disagree, or None if the reference failed."""
-    with network as prefix:
-        results = _run_rows(args, rows, run_dir, prefix)
-    if results is None:
-        return None
-    sys.stdout.write(f"\n## {title}\n\n{format_tables(results, cfg.warmup_steps)}\n")
-    return [f"{label} ({title})" for label in disagreeing(results, cfg.warmup_steps)]
+def _mode_report(mode: tuple[str, list[RowResult]], cfg: PeerConfig) -> str:
+    title, results = mode
+    targets = "\n".join(check_targets(results, cfg.warmup_steps))
+    return (f"### {title}\n\n{format_tables(results, cfg.warmup_steps)}\n\n"
+            f"Targets ({title}):\n\n{targets}")
 
 
-def _run_rows(args: argparse.Namespace, rows: list[Row], run_dir: Path,
-              prefix: list[str]) -> list[RowResult] | None:
-    """Every row, the reference first (it writes the weights the others start from); None
-    if the reference failed."""
-    results: list[RowResult] = []
-    for index, row in enumerate(rows):
-        started = time.monotonic()
-        result = run_row(row, run_dir, run_dir / f"row{index:02d}", args.row_timeout, prefix)
-        status = "ok" if result.ran else result.reason
-        sys.stderr.write(f"[{time.monotonic() - started:5.1f} s] {row.label} {row.layout}: "
-                         f"{status}\n")
-        results.append(result)
-        if row == REFERENCE and not result.ran:
-            sys.stderr.write("the reference run failed: nothing to compare with\n")
-            return None
-    return results
+def _write_readme(args: argparse.Namespace, argv: Sequence[str], cfg: PeerConfig, header: str,
+                  report: str, modes: list[tuple[str, list[RowResult]]]) -> None:
+    caption = (f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, seq {cfg.seq_length}, "
+               f"global batch {cfg.global_batch_size}, fp32, CPU/gloo")
+    why_not = chart.draw(modes, cfg.warmup_steps, f"Step time per layout: {caption}", CHART)
+    picture = (f"Chart not drawn: {why_not}." if why_not else
+               f"![step time per layout]({CHART.name})")
+    command = " ".join(["python -m benchmarks.peers.compare", *argv])
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    readme.replace_section(README, f"Written by `{command}` on {date}, {args.repeat} run(s) "
+                           f"per row.\n\n```text\n{header}\n```\n\n{report}\n\n{picture}")
+    sys.stdout.write(f"\nwrote the report into {README} and the chart into {CHART}\n")
+
+
+def _run_rows(args: argparse.Namespace, rows: list[Row], run_dir: Path, prefix: list[str],
+              tag: str) -> list[RowResult] | None:
+    """Every row, ``--repeat`` rounds of them, each round's reference first (it writes the
+    weights the others start from); None if the reference failed."""
+    results: list[RowResult | None] = [None] * len(rows)
+    for round_ in range(args.repeat):
+        for index, row in enumerate(rows):
+            started = time.monotonic()
+            row_dir = run_dir / f"{tag}row{index:02d}-run{round_}"
+            result = run_row(row, run_dir, row_dir, args.row_timeout, prefix,
+                             args.profile and round_ == 0)
+            status = "ok" if result.ran else result.reason
+            sys.stderr.write(f"[{time.monotonic() - started:5.1f} s] {tag}run {round_} "
+                             f"{row.label} {row.layout}: {status}\n")
+            before = results[index]
+            results[index] = result if before is None else before.add_run(result)
+            if row == REFERENCE and not result.ran:
+                sys.stderr.write("the reference run failed: nothing to compare with\n")
+                return None
+    return [r for r in results if r is not None]
 
 
 if __name__ == "__main__":

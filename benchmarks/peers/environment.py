@@ -31,5 +31,6 @@ def describe(cfg: PeerConfig) -> str:
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} "
                f"{platform.release()}, Python {sys.version.split()[0]}")
     return (f"config: {settings}\nmachine: {machine}\npackages: {packages}\n"
-            "step time: median after warm-up of the slowest rank; loss diff: max over steps "
-            "of |loss - megatron3d (1,1,1) loss|")
+            "step time: median after warm-up of the slowest rank; collectives and MiB: one "
+            "step's collectives and p2p messages on the busiest rank, each counted at its "
+            "largest buffer; loss diff: max over steps of |loss - megatron3d (1,1,1) loss|")

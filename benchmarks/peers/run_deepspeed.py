@@ -10,7 +10,7 @@ import torch.distributed as dist
 from benchmarks.peers import ds_model
 from benchmarks.peers.batches import load_batches, rank_micro_batches
 from benchmarks.peers.gpt2 import lm_loss
-from benchmarks.peers.record import StepClock, write_rank
+from benchmarks.peers.record import write_rank
 from benchmarks.peers.worker import parse_worker_args
 
 
@@ -23,7 +23,7 @@ def main() -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     pipelined = row.pp > 1
     engine = (ds_model.pipeline_engine if pipelined else ds_model.zero_engine)(cfg, row, weights)
-    losses, clock = [], StepClock()
+    losses, clock = [], inputs.clock(rank)
     dist.barrier()
     clock.start()
     for tokens in batches:
@@ -41,7 +41,7 @@ def main() -> None:
             dist.all_reduce(total)
             losses.append(float(total) / size)
         clock.tick()
-    write_rank(inputs.out, rank, losses if rank == size - 1 else None, clock.times)
+    write_rank(inputs.out, rank, losses if rank == size - 1 else None, clock)
     dist.barrier()  # DeepSpeed's exit needs every rank past its last collective
     dist.destroy_process_group()
 

@@ -14,7 +14,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 
 from benchmarks.peers import mcore_model  # noqa: E402
 from benchmarks.peers.batches import load_batches, rank_micro_batches  # noqa: E402
-from benchmarks.peers.record import StepClock, write_rank  # noqa: E402
+from benchmarks.peers.record import write_rank  # noqa: E402
 from benchmarks.peers.worker import parse_worker_args  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     forward_backward = get_forward_backward_func()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     n_micro = cfg.global_batch_size // dp // cfg.micro_batch_size
-    losses, clock = [], StepClock()
+    losses, clock = [], inputs.clock(dist.get_rank())
     dist.barrier()
     clock.start()
     for tokens in batches:
@@ -72,7 +72,7 @@ def main() -> None:
             losses.append(float(loss) / dp)
         clock.tick()
     holds = bool(losses) and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
-    write_rank(inputs.out, dist.get_rank(), losses if holds else None, clock.times)
+    write_rank(inputs.out, dist.get_rank(), losses if holds else None, clock)
     dist.barrier()  # no rank may leave while another still waits in a collective
     dist.destroy_process_group()
 

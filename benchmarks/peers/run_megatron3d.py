@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.peers.config import REFERENCE, PeerConfig, Row
-from benchmarks.peers.record import StepClock, write_rank
+from benchmarks.peers.record import write_rank
 from benchmarks.peers.worker import parse_worker_args
 from megatron3d import device as devices
 from megatron3d.arguments import parse_args
@@ -67,7 +67,7 @@ def main() -> None:
     if inputs.row == REFERENCE:
         torch.save(initial_weights(trainer, state), inputs.weights)
     losses: list[torch.Tensor] = []
-    clock = StepClock()
+    clock = inputs.clock(env.rank)
 
     def on_step(_: int, result: StepResult) -> None:
         losses.append(result.loss)
@@ -79,7 +79,7 @@ def main() -> None:
     trainer.run()
     holds_loss = state.is_last_stage and state.tp.rank == 0 and state.dp.rank == 0
     write_rank(inputs.out, env.rank, [float(x) for x in losses] if holds_loss else None,
-               clock.times)
+               clock)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.peers.batches import load_batches
-from benchmarks.peers.record import StepClock, write_rank
+from benchmarks.peers.record import write_rank
 from benchmarks.peers.torch_parallel import BUILDERS
 from benchmarks.peers.worker import parse_worker_args
 
@@ -18,7 +18,7 @@ def main() -> None:
     weights = torch.load(inputs.weights, weights_only=True)
     step = BUILDERS[inputs.row.variant](inputs.cfg, inputs.row, weights)
     losses: list[torch.Tensor | None] = []
-    clock = StepClock()
+    clock = inputs.clock(dist.get_rank())
     dist.barrier()
     clock.start()
     for tokens in batches:
@@ -27,7 +27,7 @@ def main() -> None:
     held = None if losses[0] is None else [float(x) for x in losses]
     # one report per row: TP and DP ranks all hold the loss, rank 0 of them reports it
     reports = held is not None and not (dist.get_rank() > 0 and inputs.row.pp == 1)
-    write_rank(inputs.out, dist.get_rank(), held if reports else None, clock.times)
+    write_rank(inputs.out, dist.get_rank(), held if reports else None, clock)
     dist.barrier()
     dist.destroy_process_group()
 

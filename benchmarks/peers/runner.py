@@ -31,15 +31,28 @@ NEEDS = {"megatron-core": "megatron.core", "deepspeed": "deepspeed"}
 
 @dataclass
 class RowResult:
+    """A row's reports over one or more runs of it (``--repeat``), or why it has none."""
+
     row: Row
-    losses: list[float] = field(default_factory=list)
-    times: list[list[float]] = field(default_factory=list)  # per rank, per step (s)
-    peak_rss: list[int] = field(default_factory=list)  # per rank (bytes)
+    losses: list[list[float]] = field(default_factory=list)  # per run, per step
+    times: list[list[list[float]]] = field(default_factory=list)  # per run, rank, step (s)
+    peak_rss: list[int] = field(default_factory=list)  # per rank, the largest of any run
+    comm: list[dict] = field(default_factory=list)  # per rank: calls and bytes of one step
     reason: str = ""  # why there are no numbers
 
     @property
     def ran(self) -> bool:
         return not self.reason
+
+    def add_run(self, other: RowResult) -> RowResult:
+        """This row's reports with another run's added; a failed run makes the row failed."""
+        if not self.ran:
+            return self
+        if not other.ran:
+            return other
+        return RowResult(self.row, self.losses + other.losses, self.times + other.times,
+                         [max(a, b) for a, b in zip(self.peak_rss, other.peak_rss, strict=True)],
+                         self.comm)
 
 
 def missing_package(row: Row) -> str:
@@ -52,9 +65,10 @@ def missing_package(row: Row) -> str:
 
 
 def run_row(row: Row, run_dir: Path, row_dir: Path, timeout_s: float,
-            prefix: Sequence[str] = ()) -> RowResult:
+            prefix: Sequence[str] = (), profile: bool = False) -> RowResult:
     """Run ``row``'s torchrun (behind ``prefix``, e.g. the limited-bandwidth namespace's
-    ``ip netns exec``) and collect its ranks' reports."""
+    ``ip netns exec``) and collect its ranks' reports; ``profile`` has each rank write the
+    profiler's table of one warm-up step beside its report."""
     reason = missing_package(row)
     if reason:
         return RowResult(row, reason=reason)
@@ -62,7 +76,7 @@ def run_row(row: Row, run_dir: Path, row_dir: Path, timeout_s: float,
     (row_dir / "row.json").write_text(json.dumps(row.to_dict()))
     cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={row.world_size}", "-m", WORKERS[row.framework],
-           *worker_argv(run_dir, row_dir)]
+           *worker_argv(run_dir, row_dir, profile)]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     log = row_dir / "log.txt"
@@ -93,5 +107,6 @@ def collect(row: Row, row_dir: Path) -> RowResult:
     losses = next((r["losses"] for r in reports if r["losses"] is not None), None)
     if losses is None:
         return RowResult(row, reason="no rank reported losses")
-    return RowResult(row, losses=losses, times=[r["times"] for r in reports],
-                     peak_rss=[r["peak_rss"] for r in reports])
+    return RowResult(row, losses=[losses], times=[[r["times"] for r in reports]],
+                     peak_rss=[r["peak_rss"] for r in reports],
+                     comm=[r["comm"] for r in reports])

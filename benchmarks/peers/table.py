@@ -17,19 +17,37 @@ _MIB = 2**20
 
 @dataclass(frozen=True)
 class Summary:
-    step_ms: float  # median over steps after warm-up of the slowest rank's step time
+    step_ms: float  # median over runs and steps after warm-up of the slowest rank's time
     peak_rss_mib: float  # the largest peak RSS of any rank
-    loss_diff: float  # max over steps of |loss - reference loss|
+    loss_diff: float  # max over runs and steps of |loss - reference loss|
+    comm_calls: int  # collectives and p2p messages of one step, on the busiest rank
+    comm_mib: float  # their bytes (the largest buffer of each call)
+    run_ms: tuple[float, ...] = ()  # each run's own median, to show the spread of repeats
+
+    def step_text(self) -> str:
+        """The median, with the range of the runs' medians when there were several."""
+        if len(self.run_ms) < 2:
+            return f"{self.step_ms:.1f}"
+        return f"{self.step_ms:.1f} ({min(self.run_ms):.0f}-{max(self.run_ms):.0f})"
 
 
 def summarise(result: RowResult, reference: RowResult, warmup: int) -> Summary:
-    if len(result.losses) != len(reference.losses):
-        raise ValueError(f"{result.row.label}: {len(result.losses)} losses, the reference "
-                         f"has {len(reference.losses)}")
-    slowest = [max(step) for step in zip(*result.times, strict=True)]
-    timed = slowest[warmup:] or slowest
-    diff = max(abs(a - b) for a, b in zip(result.losses, reference.losses, strict=True))
-    return Summary(1e3 * statistics.median(timed), max(result.peak_rss) / _MIB, diff)
+    expected = reference.losses[0]
+    timed: list[float] = []
+    run_ms = []
+    diff = 0.0
+    for losses, times in zip(result.losses, result.times, strict=True):
+        if len(losses) != len(expected):
+            raise ValueError(f"{result.row.label}: {len(losses)} losses, the reference has "
+                             f"{len(expected)}")
+        slowest = [max(step) for step in zip(*times, strict=True)]
+        timed += slowest[warmup:] or slowest
+        run_ms.append(1e3 * statistics.median(slowest[warmup:] or slowest))
+        diff = max(diff, *(abs(a - b) for a, b in zip(losses, expected, strict=True)))
+    busiest = max(result.comm, key=lambda c: (c["bytes"], c["calls"]),
+                  default={"calls": 0, "bytes": 0})
+    return Summary(1e3 * statistics.median(timed), max(result.peak_rss) / _MIB, diff,
+                   busiest["calls"], busiest["bytes"] / _MIB, tuple(run_ms))
 
 
 def disagreeing(results: Sequence[RowResult], warmup: int) -> list[str]:
@@ -40,10 +58,15 @@ def disagreeing(results: Sequence[RowResult], warmup: int) -> list[str]:
             if r.ran and summarise(r, reference, warmup).loss_diff >= LOSS_TOLERANCE]
 
 
+def summarise_all(results: Sequence[RowResult], warmup: int) -> dict[int, Summary]:
+    """The summary of every row that ran, by ``id`` of its result."""
+    reference = _reference(results)
+    return {id(r): summarise(r, reference, warmup) for r in results if r.ran}
+
+
 def format_tables(results: Sequence[RowResult], warmup: int) -> str:
     """Markdown: a heading and a table per layout, in the order layouts first appear."""
-    reference = _reference(results)
-    summaries = {id(r): summarise(r, reference, warmup) for r in results if r.ran}
+    summaries = summarise_all(results, warmup)
     layouts = list(dict.fromkeys(r.row.layout for r in results))
     parts = []
     for layout in layouts:
@@ -61,25 +84,29 @@ def _reference(results: Sequence[RowResult]) -> RowResult:
 
 
 def _table(results: list[RowResult], summaries: dict[int, Summary]) -> str:
-    lines = ["| framework | variant | step time (ms) | vs megatron3d | peak RSS per rank (MiB) "
-             "| max abs loss diff |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| framework | variant | step time (ms; range of runs) | vs megatron3d "
+             "| peak RSS per rank (MiB) | collectives per step | MiB per step "
+             "| max abs loss diff |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         head = f"| {r.row.framework} | {r.row.variant} |"
         if not r.ran:
-            lines.append(f"{head} not run: {r.reason} | | | |")
+            lines.append(f"{head} not run: {r.reason} | | | | | |")
             continue
         s = summaries[id(r)]
-        base = _baseline(r, results, summaries)
-        ratio = "n/a" if base is None else f"{s.step_ms / base.step_ms:.2f}"
-        lines.append(f"{head} {s.step_ms:.1f} | {ratio} | {s.peak_rss_mib:.0f} | "
-                     f"{s.loss_diff:.1e} |")
+        vs = ratio(r, results, summaries)
+        ratio_text = "n/a" if vs is None else f"{vs:.2f}"
+        lines.append(f"{head} {s.step_text()} | {ratio_text} | {s.peak_rss_mib:.0f} | "
+                     f"{s.comm_calls} | {s.comm_mib:.2f} | {s.loss_diff:.1e} |")
     return "\n".join(lines)
 
 
-def _baseline(result: RowResult, results: list[RowResult],
-              summaries: dict[int, Summary]) -> Summary | None:
-    """The megatron3d row of this layout named by ``result.row.baseline``, if it ran."""
+def ratio(result: RowResult, results: Sequence[RowResult],
+          summaries: dict[int, Summary]) -> float | None:
+    """``result``'s step time over that of the megatron3d row of its layout named by
+    ``result.row.baseline``; None if either did not run."""
     for r in results:
-        if r.row.framework == "megatron3d" and r.row.variant == result.row.baseline and r.ran:
-            return summaries[id(r)]
+        if (r.row.framework == "megatron3d" and r.row.layout == result.row.layout
+                and r.row.variant == result.row.baseline and r.ran and result.ran):
+            return summaries[id(result)].step_ms / summaries[id(r)].step_ms
     return None

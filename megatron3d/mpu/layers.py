@@ -163,6 +163,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split across TP ranks (weight [out, in/tp]).
 
     Partial products are all-reduced; the replicated bias is added once, after the reduce.
+    Without TP there is nothing to reduce, and the bias goes into the one ``addmm``.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp: AxisGroup, name: str,
@@ -185,6 +186,8 @@ class RowParallelLinear(nn.Module):
                                          sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)  # [..., out]
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)  # [..., in/tp]
         partial = F.linear(x, self.weight)

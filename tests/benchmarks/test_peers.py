@@ -215,9 +215,13 @@ def test_limited_bandwidth_limits_the_namespace_loopback_and_runs_every_rank_ins
     assert result.reason.startswith("RuntimeError: stopped here")
 
 
-def _result(row: Row, losses: list[float], step_s: float, rss_mib: int) -> RowResult:
+def _result(row: Row, losses: list[float], step_s: float, rss_mib: int,
+            comm: tuple[int, int] = (0, 0)) -> RowResult:
     times = [[step_s * 10] + [step_s] * (len(losses) - 1)] * row.world_size
-    return RowResult(row, losses=losses, times=times, peak_rss=[rss_mib * 2**20] * row.world_size)
+    tallies = [{"calls": comm[0] - rank, "bytes": comm[1] * (rank + 1) // row.world_size}
+               for rank in range(row.world_size)]  # the last rank sends the most
+    return RowResult(row, losses=[losses], times=[times],
+                     peak_rss=[rss_mib * 2**20] * row.world_size, comm=tallies)
 
 
 def test_table_has_a_section_per_layout_ratios_and_reasons():
@@ -227,14 +231,15 @@ def test_table_has_a_section_per_layout_ratios_and_reasons():
     fsdp = Row(framework="pytorch", variant="FSDP2", dp=2, baseline="ZeRO-3")
     mcore = Row(framework="megatron-core", variant="DDP", dp=2, baseline="ZeRO-3")
     results = [ref, _result(ours, [7.0, 6.5, 6.0], 0.1, 400),
-               _result(fsdp, [7.0, 6.5, 6.0 + 3e-6], 0.15, 450),
+               _result(fsdp, [7.0, 6.5, 6.0 + 3e-6], 0.15, 450, comm=(12, 3 * 2**20)),
                RowResult(mcore, reason="megatron-core not installed")]
     text = format_tables(results, warmup=1)
     sections = text.split("(TP, PP, DP) = ")
     assert [s.split("\n")[0] for s in sections[1:]] == ["(1,1,1)", "(1,1,2)"]
     fsdp_line = next(line for line in text.splitlines() if "FSDP2" in line)
     cells = [c.strip() for c in fsdp_line.strip("|").split("|")]
-    assert cells[2:] == ["150.0", "1.50", "450", "3.0e-06"]  # warm-up step left out
+    # the warm-up step left out; collectives of the rank moving the most bytes
+    assert cells[2:] == ["150.0", "1.50", "450", "11", "3.00", "3.0e-06"]
     assert "| megatron-core | DDP | not run: megatron-core not installed |" in text
     assert disagreeing(results, 1) == []
     results[2] = _result(fsdp, [7.0, 6.5, 6.0 + 2 * LOSS_TOLERANCE], 0.15, 450)

@@ -1,0 +1,54 @@
+"""The speed targets megatron3d holds itself to against its peers, checked on a run's
+results and reported met or missed with the margin, so a miss is never hidden."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from benchmarks.peers.runner import RowResult
+from benchmarks.peers.table import ratio, summarise_all
+
+
+@dataclass(frozen=True)
+class Target:
+    framework: str
+    variant: str  # "" for every variant of the framework
+    bound: float  # the peer's step time over megatron3d's must be at least this
+    what: str
+
+    def applies(self, result: RowResult) -> bool:
+        return result.row.framework == self.framework and self.variant in ("",
+                                                                           result.row.variant)
+
+
+TARGETS = (
+    Target("megatron-core", "", 1.0, "megatron3d <= Megatron-Core"),
+    Target("pytorch", "FSDP2", 1.0, "ZeRO-3 <= FSDP2"),
+    Target("deepspeed", "ZeRO-3", 1.0, "ZeRO-3 <= DeepSpeed ZeRO-3"),
+    Target("pytorch", "DDP", 0.95, "DP within 5% of PyTorch DDP"),
+    Target("pytorch", "pipelining 1F1B", 1.0, "1F1B <= torch pipelining"),
+    Target("pytorch", "pipelining interleaved 1F1B", 1.0,
+           "interleaved 1F1B <= torch pipelining's"),
+)
+
+
+def check_targets(results: Sequence[RowResult], warmup: int) -> list[str]:
+    """One markdown bullet per (target, peer row): met or missed and by how much, or why it
+    was not measured."""
+    summaries = summarise_all(results, warmup)
+    lines = []
+    for target in TARGETS:
+        for result in (r for r in results if target.applies(r)):
+            where = f"{target.what}, {result.row.label} at {result.row.layout}"
+            vs = ratio(result, results, summaries)
+            if vs is None:
+                reason = result.reason or "its megatron3d baseline did not run"
+                lines.append(f"- not measured: {where}: {reason}")
+            elif vs >= target.bound:
+                lines.append(f"- met: {where}: the peer takes {vs:.2f}x our step time")
+            else:
+                slower = 100 * (target.bound / vs - 1)
+                lines.append(f"- MISSED: {where}: the peer takes {vs:.2f}x our step time "
+                             f"(megatron3d is {slower:.1f}% slower than the target allows)")
+    return lines
