@@ -70,6 +70,8 @@ TABLE: tuple[CompatFlag, ...] = (
              "method with one layer)", nargs=1),
     *_notice("--overlap-grad-reduce", "always on: gradient buckets are reduced while backward "
              "runs"),
+    *_notice("--overlap-p2p-communication", "always on: pipeline transfers are waited for "
+             "only by the computation that needs them"),
     *_notice("--distributed-backend", "NCCL on GPUs and gloo on CPU are picked by the device",
              nargs=1),
     *_notice("--DDP-impl", "data parallelism is megatron3d's own: bucketed gradient reduction "

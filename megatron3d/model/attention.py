@@ -53,8 +53,11 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, (n + 2G) d / tp] (gathered along s under SP)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, self.head_dim)
-        q = qkv[:, :, :, :self.group_size].reshape(s, b, self.local_heads, self.head_dim)
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # each [s, b, G/tp, d]
+        # One split, not three indexings: its backward writes the three gradients into one
+        # new tensor, where slicing and selecting would each add a zero-filled qkv-sized one.
+        q, k, v = qkv.split([self.group_size, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_heads, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)  # each [s, b, G/tp, d]
         if self.position_type == "rope":
             q = apply_rotary(q, self.rope_cos, self.rope_sin)
             k = apply_rotary(k, self.rope_cos, self.rope_sin)

@@ -11,6 +11,8 @@ callers that must not modify their input clone first.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -136,11 +138,43 @@ def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
     return t
 
 
+class Work(Protocol):
+    """A posted transfer: ``wait`` returns once it is done (on NCCL: once the caller's stream
+    is ordered after it)."""
+
+    def wait(self) -> object: ...
+
+
+class _Shared:
+    """One work standing for every transfer of a coalesced batch: waited for once, by the
+    first transfer needed (a second wait is not safe on every backend)."""
+
+    def __init__(self, work: Work) -> None:
+        self._work: Work | None = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
 def exchange(sends: list[tuple], recvs: list[tuple], axis: AxisGroup) -> None:
+    """``start_exchange``, then wait for every transfer."""
+    for work in start_exchange(sends, recvs, axis):
+        work.wait()
+
+
+def start_exchange(sends: list[tuple], recvs: list[tuple],
+                   axis: AxisGroup) -> list[Work]:
     """Post every send ``(tensor, dst_index[, tag])`` and receive ``(buffer, src_index[,
-    tag])`` together, then wait for all of them (pipeline neighbours sending to each other at
-    once cannot deadlock). This is the only point-to-point path, so messages between two ranks
-    always travel in the order they are listed."""
+    tag])`` together (pipeline neighbours sending to each other at once cannot deadlock);
+    returns one work per transfer, the sends' first, in the order given. Wait a receive's
+    work before reading its buffer; a send's holds its tensor until waited. Backends that
+    coalesce the batch (NCCL) give one work for all of it: every transfer then gets that work,
+    waited for once, which orders the caller's stream after the whole batch (the host does
+    not block).
+    This is the only point-to-point path, so messages between two ranks always travel in the
+    order posted."""
     ops = []
     for t, dst, *tag in sends:
         peer = axis.ranks[dst]
@@ -150,9 +184,13 @@ def exchange(sends: list[tuple], recvs: list[tuple], axis: AxisGroup) -> None:
         peer = axis.ranks[src]
         _check(axis, "recv", t, peer, tag[0] if tag else None)
         ops.append(dist.P2POp(dist.irecv, t, peer, group=axis.group))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    if not ops:
+        return []
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == 1:
+        return [_Shared(works[0])] * len(ops)
+    assert len(works) == len(ops), f"{len(works)} works for {len(ops)} transfers"
+    return works
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], axis: AxisGroup) -> None:

@@ -12,6 +12,15 @@ parallelism the activations are already split across TP ranks, so nothing is sen
 A stage output that has been sent is only needed for its autograd graph: its data is freed
 after the send (as Megatron does) and its backward runs from the graph alone, so a stage
 holding many in-flight micro-batches keeps none of their outputs.
+
+An ``Exchange`` posts its transfers in the schedule's order but does not wait for them there:
+a received tensor is waited for just before the computation that reads it, and the sends are
+waited for at the next exchange (which releases the sent output's memory) or at the end of
+the batch. A rank therefore never idles for a message its next computation does not need (the
+gradient that arrives while a forward runs, under interleaving), and only ever waits later
+than the blocking order the schedules are checked with (``simulate.py``), so a program that
+finishes there finishes here. On NCCL the waits order the compute stream, not the host:
+communication overlaps the computation in between (Megatron's --overlap-p2p-communication).
 """
 
 from __future__ import annotations
@@ -109,6 +118,8 @@ class PipelineEngine:
                 step.fn()
             for observer in observers:
                 observer.after(step)
+        run.settle_sends()
+        assert not run.arriving, f"received but never used: {sorted(run.arriving)}"
         for observer in observers:
             observer.end()
         return run.total / len(batches)
@@ -121,7 +132,7 @@ class PipelineEngine:
 
     def _forward(self, step: Forward, batch: Batch, run: _Run, weight: float) -> None:
         key = (step.micro_batch, step.chunk)
-        x = batch.tokens if self._first_virtual(step.chunk) else run.inputs[key]
+        x = batch.tokens if self._first_virtual(step.chunk) else run.arrived("F", key)
         y = self.chunks[step.chunk](x)
         if not self._last_virtual(step.chunk):
             run.outputs[key] = y  # [s(/tp), b, h]
@@ -137,7 +148,7 @@ class PipelineEngine:
         if self._last_virtual(step.chunk):
             out.backward()
         else:  # ``out`` lost its data after the send: only its graph is left
-            _backward_from_graph(out, run.output_grads.pop(key))
+            _backward_from_graph(out, run.arrived("B", key))
 
     def _exchange(self, step: Exchange, run: _Run) -> None:
         p, v = self.pp.size, len(self.chunks)
@@ -153,16 +164,19 @@ class PipelineEngine:
                 grad = run.inputs.pop(key).grad
                 sends.append((grad, prev, _tag("B", mb, chunk - (prev == p - 1), v)))
             else:  # tags name what a message is, for hang dumps
-                store = run.inputs if name == "recv_forward" else run.output_grads
-                buffer = self._buffer()
-                received.append((store, key, buffer))
                 peer, kind = (prev, "F") if name == "recv_forward" else (nxt, "B")
+                buffer = self._buffer()
+                received.append((kind, key, buffer))
                 recvs.append((buffer, peer, _tag(kind, mb, chunk, v)))
-        comm.exchange(sends, recvs, self.pp)
-        for out in sent:
+        works = comm.start_exchange(sends, recvs, self.pp)
+        run.settle_sends()  # the previous exchange's, once the peers can match this one's
+        run.sending = works[:len(sends)]
+        for out in sent:  # the send's work keeps the data alive until it is waited for
             _free_data(out)
-        for store, key, tensor in received:
-            store[key] = tensor.requires_grad_(store is run.inputs and torch.is_grad_enabled())
+        for (kind, key, buffer), work in zip(received, works[len(sends):], strict=True):
+            if kind == "F":
+                run.inputs[key] = buffer.requires_grad_(torch.is_grad_enabled())
+            run.arriving[kind, key] = (work, buffer)
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -221,13 +235,28 @@ class _Call:
 
 
 class _Run:
-    """Tensors alive during one batch, keyed by (micro-batch, chunk)."""
+    """Tensors alive during one batch, keyed by (micro-batch, chunk), and the transfers still
+    in flight."""
 
     def __init__(self, total: torch.Tensor) -> None:
         self.total = total  # sum of micro-batch losses (last stage)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # outputs, or scaled losses
-        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients
+        # posted receives not yet waited for: ("F" activation | "B" gradient, key) -> (work,
+        # buffer)
+        self.arriving: dict[tuple[str, tuple[int, int]], tuple[comm.Work, torch.Tensor]] = {}
+        self.sending: list[comm.Work] = []  # the last exchange's sends
+
+    def arrived(self, kind: str, key: tuple[int, int]) -> torch.Tensor:
+        """The received tensor, once its transfer is done."""
+        work, buffer = self.arriving.pop((kind, key))
+        work.wait()
+        return buffer
+
+    def settle_sends(self) -> None:
+        for work in self.sending:
+            work.wait()
+        self.sending = []
 
 
 def _mismatch(sender: int, sent: torch.Tensor, receiver: int,

@@ -2,9 +2,10 @@
 
 A schedule is a pure list of these per rank (``schedule.py`` makes them, tests inspect and
 simulate them without processes, ``engine.py`` executes them). Communication with the
-neighbouring ranks is one ``Exchange`` step whose sends and receives are posted together and
-then all awaited, so two neighbours sending to each other at once cannot deadlock, and every
-message between two ranks travels in one fixed order.
+neighbouring ranks is one ``Exchange`` step whose sends and receives are posted together, so
+two neighbours sending to each other at once cannot deadlock, and every message between two
+ranks travels in one fixed order. Schedules are checked as if an exchange then waited for all
+its transfers; the engine waits for each only where it is needed, which is never earlier.
 
 With interleaving a rank holds ``v`` model chunks: chunk ``c`` of rank ``r`` is virtual stage
 ``c * p + r`` of ``p * v``. Computations and transfers name the chunk they belong to on the
@@ -36,7 +37,7 @@ class Backward:
 
 @dataclass(frozen=True)
 class Exchange:
-    """Post every listed transfer with the neighbours, then wait for all of them.
+    """Post every listed transfer with the neighbours (each is complete before what needs it).
 
     send_forward: send this stage's output of that micro-batch to the next stage.
     recv_forward: receive that micro-batch's input from the previous stage.

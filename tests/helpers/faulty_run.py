@@ -37,7 +37,7 @@ _step = {"n": 0, "armed": True}  # steps begun on this rank; fault not used yet
 def _install() -> None:
     forward_backward = PipelineEngine.forward_backward
     forward = PipelineEngine._forward
-    exchange = comm.exchange
+    start_exchange = comm.start_exchange
     step = Trainer._step
 
     def counting_forward_backward(self, *args, **kwargs):
@@ -47,11 +47,11 @@ def _install() -> None:
             time.sleep(0.5)  # give the test time to stop this process mid-step
         return forward_backward(self, *args, **kwargs)
 
-    def faulty_exchange(sends, recvs, axis):
+    def faulty_start_exchange(sends, recvs, axis):
         if (FAULT == "skip-send" and _step["n"] == FAULT_STEP and sends and _step["armed"]):
             _step["armed"] = False
             sends = []
-        return exchange(sends, recvs, axis)
+        return start_exchange(sends, recvs, axis)
 
     def faulty_forward(self, *args, **kwargs):
         if FAULT == "sleep" and _step["n"] == FAULT_STEP and _step["armed"]:
@@ -68,7 +68,7 @@ def _install() -> None:
     PipelineEngine.forward_backward = counting_forward_backward
     Trainer._step = reporting_step
     if FAULTY:
-        comm.exchange = faulty_exchange
+        comm.start_exchange = faulty_start_exchange
         PipelineEngine._forward = faulty_forward
 
 

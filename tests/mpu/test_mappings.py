@@ -121,3 +121,25 @@ def test_non_member_axis_refuses_collectives() -> None:
     assert not absent.is_member
     with pytest.raises(ValueError, match="not a member"):
         comm.all_reduce(torch.ones(2), absent)
+
+
+def test_a_coalesced_batch_gives_every_transfer_one_work_waited_once(monkeypatch):
+    """NCCL coalesces a batch of sends and receives into one work: every transfer gets it,
+    and it is waited for once however many transfers ask (a second wait is not safe on
+    every backend)."""
+
+    class OneWork:
+        waits = 0
+
+        def wait(self) -> None:
+            OneWork.waits += 1
+
+    monkeypatch.setattr(comm.dist, "P2POp", lambda *args, **kwargs: args)
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", lambda ops: [OneWork()])
+    axis = AxisGroup(group=object(), rank=0, size=2, ranks=(0, 1), name="pp")
+    works = comm.start_exchange([(torch.ones(2), 1)], [(torch.empty(2), 1), (torch.empty(2), 1)],
+                                axis)
+    assert len(works) == 3
+    for work in works:
+        work.wait()
+    assert OneWork.waits == 1

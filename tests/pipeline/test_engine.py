@@ -52,11 +52,9 @@ class _Batch:
         self.tokens = tokens
 
 
-def _kept_after_exchanges(chunks: int) -> tuple[list[int], torch.Tensor]:
-    """Run 1F1B (or interleaved) over 4 micro-batches through a linear layer per chunk and
-    record, after every exchange, the elements of the stage outputs still held; the first
-    stage's gradient must be right."""
-    from megatron3d.pipeline import engine as engine_module
+def _linear_pipeline(chunks: int) -> tuple[PipelineEngine, list[nn.Sequential]]:
+    """Two pipeline ranks with a linear layer per chunk (1F1B, or interleaved for
+    ``chunks`` > 1): this rank's engine and chunks."""
     from megatron3d.pipeline.spec import VirtualStages
 
     state = ParallelState.build(1, 2)
@@ -67,6 +65,16 @@ def _kept_after_exchanges(chunks: int) -> tuple[list[int], torch.Tensor]:
     engine = PipelineEngine(stage, state.pp, lambda out, batch: out.square().mean(),
                             activation_shape=SHAPE, dtype=torch.float32,
                             device=torch.device("cpu"), chunks=chunks)
+    return engine, mine
+
+
+def _kept_after_exchanges(chunks: int) -> tuple[list[int], torch.Tensor]:
+    """Run 1F1B (or interleaved) over 4 micro-batches through a linear layer per chunk and
+    record, after every exchange, the elements of the stage outputs still held; the first
+    stage's gradient must be right."""
+    from megatron3d.pipeline import engine as engine_module
+
+    engine, mine = _linear_pipeline(chunks)
     held: list[int] = []
     original = engine_module.PipelineEngine._exchange
 
@@ -97,3 +105,86 @@ def test_sent_outputs_keep_no_data_and_still_backpropagate():
         loss = sum(nn.Sequential(*layers)(x).square().mean() for x in inputs) / 4
         loss.backward()
         torch.testing.assert_close(results[0][1], layers[0].weight.grad)
+
+
+class _LoggedWork:
+    """A transfer's work that logs when it is waited for."""
+
+    def __init__(self, work, label: tuple, events: list) -> None:
+        self.work, self.label, self.events = work, label, events
+
+    def wait(self) -> None:
+        self.events.append(("wait", self.label))
+        self.work.wait()
+
+
+def _waits_and_computations(chunks: int) -> list[tuple]:
+    """This rank's log of one batch: ("post", labels) per exchange, ("compute", kind, mb,
+    chunk) as each computation starts, ("wait", label) as each transfer is waited for; a
+    label is ("send" | "recv", the message's tag)."""
+    from megatron3d.mpu import comm
+
+    engine, _ = _linear_pipeline(chunks)
+    events: list[tuple] = []
+    start, forward, backward = comm.start_exchange, engine._forward, engine._backward
+
+    def logged_start(sends, recvs, axis):
+        labels = [("send", tag) for *_, tag in sends] + [("recv", tag) for *_, tag in recvs]
+        events.append(("post", labels))
+        return [_LoggedWork(w, label, events)
+                for w, label in zip(start(sends, recvs, axis), labels, strict=True)]
+
+    def logged(kind, run_step):
+        def wrapper(step, *args):
+            events.append(("compute", kind, step.micro_batch, step.chunk))
+            return run_step(step, *args)
+        return wrapper
+
+    engine._forward, engine._backward = logged("F", forward), logged("B", backward)
+    comm.start_exchange = logged_start
+    try:
+        engine.forward_backward([_Batch(torch.randn(SHAPE)) for _ in range(4)], 1.0)
+    finally:
+        comm.start_exchange = start
+    return events
+
+
+def test_transfers_are_waited_for_only_where_needed():
+    """A received tensor is waited for as the computation that reads it starts (not at its
+    exchange), a send at the next exchange or the end of the batch; under interleaving a
+    gradient thus arrives while a forward runs. Mutation: waiting at the exchange, as before,
+    fails the first check."""
+    overlapped = 0
+    for chunks in (1, 2):
+        for events in run_distributed(_waits_and_computations, 2, chunks, timeout_s=60):
+            waited = [i for i, e in enumerate(events) if e[0] == "wait"]
+            for i in waited:
+                kind, label = events[i][1]
+                if kind == "recv":  # label: (F | B, micro-batch[, chunk as received])
+                    computes = [e for e in events[:i] if e[0] == "compute"]
+                    assert computes and computes[-1][1:3] == label[:2], (events[i], events)
+                    assert computes[-1][3] == (label[2] if len(label) > 2 else 0)
+                    assert events[i - 1][0] == "compute", events[i - 1]
+                else:  # a send: waited once the next exchange is posted, or at the end
+                    posted = [j for j, e in enumerate(events) if e[0] == "post"
+                              and ("send", label) in e[1]][0]
+                    later = [j for j, e in enumerate(events) if e[0] == "post" and j > posted]
+                    assert i > (later[0] if later else max(
+                        j for j, e in enumerate(events) if e[0] == "compute")), events[i]
+            labels = [label for e in events if e[0] == "post" for label in e[1]]
+            assert sorted(labels) == sorted(events[i][1] for i in waited)  # each waited once
+            if chunks == 2:
+                overlapped += sum(_computations_while_in_flight(events))
+    assert overlapped > 0
+
+
+def _computations_while_in_flight(events: list[tuple]) -> list[int]:
+    """For each received message: the computations run between its post and its wait."""
+    counts = []
+    for i, event in enumerate(events):
+        if event[0] != "post":
+            continue
+        for label in (lb for lb in event[1] if lb[0] == "recv"):
+            waited = events.index(("wait", label), i)
+            counts.append(sum(e[0] == "compute" for e in events[i:waited]) - 1)
+    return counts
