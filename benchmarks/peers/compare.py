@@ -21,7 +21,14 @@ from pathlib import Path
 
 from benchmarks.peers import bandwidth, chart, readme
 from benchmarks.peers.batches import save_batches
-from benchmarks.peers.config import REFERENCE, PeerConfig, Row, all_rows, build_config
+from benchmarks.peers.config import (
+    REFERENCE,
+    PeerConfig,
+    Row,
+    all_rows,
+    build_config,
+    run_order,
+)
 from benchmarks.peers.environment import describe
 from benchmarks.peers.runner import REPO, RowResult, run_row
 from benchmarks.peers.table import LOSS_TOLERANCE, disagreeing, format_tables
@@ -68,8 +75,8 @@ def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> in
     cfg.to_json(run_dir / "config.json")
     save_batches(cfg, run_dir / "batches.pt")
     wanted = args.only.split(",")
-    rows = [REFERENCE] + [r for r in all_rows()
-                          if r != REFERENCE and any(w in r.label for w in wanted)]
+    rows = run_order([REFERENCE] + [r for r in all_rows()
+                                    if r != REFERENCE and any(w in r.label for w in wanted)])
     header = describe(cfg)
     sys.stdout.write(f"{header}\n")
     unlimited = _run_rows(args, rows, run_dir, [], "")

@@ -144,3 +144,13 @@ def deepspeed_rows() -> list[Row]:
 
 def all_rows() -> list[Row]:
     return megatron3d_rows() + torch_rows() + mcore_rows() + deepspeed_rows()
+
+
+def run_order(rows: list[Row]) -> list[Row]:
+    """The reference first (it writes the weights every row starts from), then layout by
+    layout, in order of first appearance, megatron3d's rows before the peers': a round runs
+    each comparison's rows within a minute of each other."""
+    layouts = list(dict.fromkeys(r.layout for r in rows))
+    rest = [r for r in rows if r != REFERENCE]
+    return [REFERENCE] + sorted(rest, key=lambda r: (layouts.index(r.layout),
+                                                     r.framework != "megatron3d"))

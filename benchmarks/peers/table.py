@@ -84,7 +84,7 @@ def _reference(results: Sequence[RowResult]) -> RowResult:
 
 
 def _table(results: list[RowResult], summaries: dict[int, Summary]) -> str:
-    lines = ["| framework | variant | step time (ms; range of runs) | vs megatron3d "
+    lines = ["| framework | variant | step time (ms; range of runs) | vs megatron3d (range) "
              "| peak RSS per rank (MiB) | collectives per step | MiB per step "
              "| max abs loss diff |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -94,19 +94,40 @@ def _table(results: list[RowResult], summaries: dict[int, Summary]) -> str:
             lines.append(f"{head} not run: {r.reason} | | | | | |")
             continue
         s = summaries[id(r)]
-        vs = ratio(r, results, summaries)
-        ratio_text = "n/a" if vs is None else f"{vs:.2f}"
+        ratio_text = _ratio_text(paired_ratios(r, results, summaries))
         lines.append(f"{head} {s.step_text()} | {ratio_text} | {s.peak_rss_mib:.0f} | "
                      f"{s.comm_calls} | {s.comm_mib:.2f} | {s.loss_diff:.1e} |")
     return "\n".join(lines)
 
 
+def _ratio_text(paired: list[float]) -> str:
+    """The median ratio, with the range of the rounds' ratios when there were several."""
+    if not paired:
+        return "n/a"
+    if len(paired) < 2:
+        return f"{paired[0]:.2f}"
+    return f"{statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f})"
+
+
 def ratio(result: RowResult, results: Sequence[RowResult],
           summaries: dict[int, Summary]) -> float | None:
     """``result``'s step time over that of the megatron3d row of its layout named by
-    ``result.row.baseline``; None if either did not run."""
+    ``result.row.baseline``: the median of the rounds' ratios (``paired_ratios``); None if
+    either did not run."""
+    paired = paired_ratios(result, results, summaries)
+    return statistics.median(paired) if paired else None
+
+
+def paired_ratios(result: RowResult, results: Sequence[RowResult],
+                  summaries: dict[int, Summary]) -> list[float]:
+    """Round by round, ``result``'s median step time over its baseline's in the same round:
+    the machine's speed drifts by several percent over minutes, and a round runs a layout's
+    rows back to back, so each round's ratio sees one speed. Empty if either did not run."""
     for r in results:
         if (r.row.framework == "megatron3d" and r.row.layout == result.row.layout
                 and r.row.variant == result.row.baseline and r.ran and result.ran):
-            return summaries[id(result)].step_ms / summaries[id(r)].step_ms
-    return None
+            mine, theirs = summaries[id(result)], summaries[id(r)]
+            if len(mine.run_ms) != len(theirs.run_ms):  # not paired: pool every step
+                return [mine.step_ms / theirs.step_ms]
+            return [a / b for a, b in zip(mine.run_ms, theirs.run_ms, strict=True)]
+    return []

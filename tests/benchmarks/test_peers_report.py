@@ -11,9 +11,15 @@ import torch.distributed._functional_collectives as functional
 
 from benchmarks.peers import chart, compare, readme
 from benchmarks.peers.comm_count import CommCounter, message_bytes
-from benchmarks.peers.config import REFERENCE, Row
+from benchmarks.peers.config import REFERENCE, Row, run_order
 from benchmarks.peers.runner import RowResult
-from benchmarks.peers.table import disagreeing, summarise_all
+from benchmarks.peers.table import (
+    disagreeing,
+    format_tables,
+    paired_ratios,
+    ratio,
+    summarise_all,
+)
 from benchmarks.peers.targets import check_targets
 from tests.helpers.dist import run_distributed
 
@@ -68,6 +74,26 @@ def test_repeated_runs_pool_their_times_and_every_run_is_loss_checked():
     assert disagreeing([reference, off], warmup=1) == ["pytorch DDP (1,1,2)"]
     failed = RowResult(DDP, reason="timed out")
     assert _run(DDP, 0.5).add_run(failed).reason == "timed out"
+
+
+def test_ratios_pair_the_runs_of_one_round():
+    """The machine's speed drifts between rounds: round 1 ran everything slowly, and in
+    round 2 the peer was slower than megatron3d. Paired, the rounds say 0.55 and 1.8;
+    pooling every step would compare the peer's slow round with our fast one."""
+    ours = _run(OURS_DP, 1.0).add_run(_run(OURS_DP, 0.5))
+    peer = _run(DDP, 0.55).add_run(_run(DDP, 0.9))
+    results = [_run(REFERENCE, 1.0), ours, peer]
+    summaries = summarise_all(results, warmup=1)
+    assert paired_ratios(peer, results, summaries) == pytest.approx([0.55, 1.8])
+    assert ratio(peer, results, summaries) == pytest.approx(1.175)
+    assert "| 1.18 (0.55-1.80) |" in format_tables(results, warmup=1)
+
+
+def test_rounds_run_a_layouts_rows_back_to_back():
+    ours_pp = Row(framework="megatron3d", variant="1F1B", pp=2, baseline="1F1B")
+    torch_pp = Row(framework="pytorch", variant="pipelining 1F1B", pp=2, baseline="1F1B")
+    order = run_order([REFERENCE, OURS_DP, ours_pp, DDP, torch_pp, MCORE_DP])
+    assert order == [REFERENCE, OURS_DP, DDP, MCORE_DP, ours_pp, torch_pp]
 
 
 def test_targets_say_met_or_missed_with_the_margin():
@@ -132,5 +158,5 @@ def test_compare_runs_rounds_reports_targets_and_writes_the_readme(monkeypatch, 
     assert "MISSED: DP within 5% of PyTorch DDP" in out
     written = (tmp_path / "README.md").read_text()
     assert "--repeat 2 --profile --write-readme" in written and "2 run(s) per row" in written
-    assert "| pytorch | DDP | 450.0 (450-450) | 0.90 |" in written
+    assert "| pytorch | DDP | 450.0 (450-450) | 0.90 (0.90-0.90) |" in written
     assert "Chart not drawn: matplotlib not installed" in written
