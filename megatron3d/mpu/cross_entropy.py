@@ -31,9 +31,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n_real = min(max(logical_vocab_size - start, 0), v_local)  # real columns held here
 
         buf = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [..., v/tp]
-        buf[..., :n_real] = logits[..., :n_real]
-        buf[..., n_real:] = float("-inf")
-        row_max = buf.max(dim=-1).values  # [...], -inf on a rank of padding only
+        if n_real == v_local:
+            buf.copy_(logits)
+        else:
+            buf[..., :n_real] = logits[..., :n_real]
+            buf[..., n_real:] = float("-inf")
+        row_max = torch.amax(buf, dim=-1)  # [...], -inf on a rank of padding only
         comm.all_reduce(row_max, tp, op=comm.MAX)
         buf.sub_(row_max.unsqueeze(-1))
 
