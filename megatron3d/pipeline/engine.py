@@ -171,7 +171,9 @@ class PipelineEngine:
         works = comm.start_exchange(sends, recvs, self.pp)
         run.settle_sends()  # the previous exchange's, once the peers can match this one's
         run.sending = works[:len(sends)]
-        for out in sent:  # the send's work keeps the data alive until it is waited for
+        # Safe before the sends complete: each sends ``out.detach()``, a tensor of its own
+        # that its work holds, so the storage lives until the work is waited for.
+        for out in sent:
             _free_data(out)
         for (kind, key, buffer), work in zip(received, works[len(sends):], strict=True):
             if kind == "F":
