@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from megatron3d import device as devices
-from megatron3d.arguments import format_config, parse_command_line
+from megatron3d.accounting import memory
 from megatron3d.checkpoint.loading import with_checkpoint_args
 from megatron3d.checkpoint.safety import check_paths
+from megatron3d.cli.arguments import format_config, parse_command_line
 from megatron3d.config import TrainConfig
 from megatron3d.data.builder import check_sources_exist, parse_data_path
 from megatron3d.errors import Megatron3dError, TrainingError
@@ -25,12 +26,11 @@ from megatron3d.mpu import traffic
 from megatron3d.mpu.state import ParallelState
 from megatron3d.mpu.topology import Topology
 from megatron3d.optim.batch_schedule import BatchSchedule
-from megatron3d.training import memory
+from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
+from megatron3d.resilience.flight_recorder import FlightRecorder
+from megatron3d.resilience.watchdog import Watchdog
 from megatron3d.training.build import build_trainer, run_length, valid_samples
 from megatron3d.training.data_setup import dry_run
-from megatron3d.training.failure_board import PEER_EXIT_CODE, FailureBoard
-from megatron3d.training.flight_recorder import FlightRecorder
-from megatron3d.training.watchdog import Watchdog
 from megatron3d.validation import validate
 
 logger = get_logger("pretrain_gpt")
@@ -83,7 +83,7 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
     leaves a hang dump and its traceback."""
     try:
         setup_logging(state.world_rank, log_rank=state.world_size - 1)
-        for notice in notices:  # Megatron flags aliased or ignored (megatron3d/compat.py)
+        for notice in notices:  # Megatron flags aliased or ignored (megatron3d/cli/compat.py)
             logger.info("notice: %s", notice)
         logger.info(format_config(cfg, state.world_size))
         logger.info(state.topology.table())

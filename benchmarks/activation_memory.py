@@ -39,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import add_model_args, spawn  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
-from megatron3d.config import ModelConfig  # noqa: E402
-from megatron3d.mpu.state import AxisGroup, ParallelState  # noqa: E402
-from megatron3d.training.activation_memory import (  # noqa: E402
+from megatron3d.accounting.activations import (
     PeakMemory,
     cross_entropy_peak,
     layer_activation_bytes,
     measured_layer_bytes,
     paper_layer_bytes,
 )
+from megatron3d.config import ModelConfig  # noqa: E402
+from megatron3d.mpu.state import AxisGroup, ParallelState  # noqa: E402
 
 RECOMPUTE = (None, "selective", "full")
 DTYPE = torch.bfloat16

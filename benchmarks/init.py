@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import add_model_args, spawn  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
-from megatron3d.arguments import parse_args  # noqa: E402
 from megatron3d.checkpoint import loading  # noqa: E402
+from megatron3d.cli.arguments import parse_args  # noqa: E402
 from megatron3d.mpu.state import ParallelState  # noqa: E402
 from megatron3d.training import build  # noqa: E402
 from megatron3d.validation import validate  # noqa: E402

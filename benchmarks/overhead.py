@@ -35,16 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import add_model_args, spawn  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
-from megatron3d.arguments import parse_args  # noqa: E402
+from megatron3d.cli.arguments import parse_args  # noqa: E402
 from megatron3d.model.context import LayerContext  # noqa: E402
 from megatron3d.model.gpt import build_gpt  # noqa: E402
 from megatron3d.mpu import traffic  # noqa: E402
 from megatron3d.mpu.meta import get_meta  # noqa: E402
 from megatron3d.mpu.state import AxisGroup, ParallelState  # noqa: E402
+from megatron3d.resilience.flight_recorder import FlightRecorder  # noqa: E402
+from megatron3d.resilience.watchdog import Watchdog  # noqa: E402
 from megatron3d.training.build import build_trainer  # noqa: E402
-from megatron3d.training.flight_recorder import FlightRecorder  # noqa: E402
 from megatron3d.training.step import train_step  # noqa: E402
-from megatron3d.training.watchdog import Watchdog  # noqa: E402
 from megatron3d.validation import validate  # noqa: E402
 
 

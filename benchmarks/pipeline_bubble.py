@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import add_model_args, spawn  # noqa: E402
 from benchmarks.png import Canvas, Color  # noqa: E402
 from megatron3d import device as devices  # noqa: E402
-from megatron3d.arguments import parse_args  # noqa: E402
+from megatron3d.cli.arguments import parse_args  # noqa: E402
 from megatron3d.mpu.state import ParallelState  # noqa: E402
 from megatron3d.pipeline.engine import Batch, PipelineEngine  # noqa: E402
 from megatron3d.pipeline.instructions import Backward, Forward  # noqa: E402

@@ -30,10 +30,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron3d.data.indexed_dataset import IndexedDataset  # noqa: E402
-from megatron3d.data.preprocess import PreprocessJob, preprocess  # noqa: E402
+from megatron3d.data.prep.preprocess import PreprocessJob, preprocess  # noqa: E402
+from megatron3d.data.prep.tokenizer_training import train_sentencepiece  # noqa: E402
 from megatron3d.data.sample_index import build_sample_index, num_epochs_for  # noqa: E402
 from megatron3d.data.tokenizer import TokenizerSpec  # noqa: E402
-from megatron3d.data.tokenizer_training import train_sentencepiece  # noqa: E402
 
 
 def _args() -> argparse.Namespace:

@@ -101,7 +101,7 @@ def _table(per_rank: list[dict[str, Result]], order: list[str]) -> list[str]:
         lines.append(f"  {name:<16}{ms:>9.1f}{ms / base:>8.3f}{p:>12,}{g:>12,}{o:>12,}"
                      f"{p + g + o:>12,}{e.params + e.grads + e.optimizer_state:>12,}  "
                      f"{_comm(per_rank[0][name])}")
-    lines.append("  bytes: the rank holding the most; analytic: training/memory.py's formula "
+    lines.append("  bytes: the rank holding the most; analytic: accounting/memory.py's formula "
                  "(torch rows: the same formula, FSDP2 as ZeRO-3 without slot buffers)")
     return lines
 

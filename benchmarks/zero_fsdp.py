@@ -25,13 +25,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from megatron3d.accounting import memory
 from megatron3d.config import TrainConfig
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt
 from megatron3d.model.transformer import TransformerLayer
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import AxisGroup
-from megatron3d.training import memory
 
 # (module, attribute, counted kind, the argument that is this rank's input)
 _PATCHED = [(dist, "all_gather_single", "all_gather", 1),

@@ -21,12 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.zero_fsdp import FsdpRun, TorchCounter, clip_and_step, plain_gpt
 from megatron3d import device as devices
-from megatron3d.arguments import parse_args
+from megatron3d.accounting import memory
+from megatron3d.cli.arguments import parse_args
 from megatron3d.config import TrainConfig
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import ParallelState
 from megatron3d.mpu.traffic import CommCounter, observing
-from megatron3d.training import memory
 from megatron3d.training.build import build_trainer
 from megatron3d.training.loop import Trainer
 from megatron3d.training.step import train_step

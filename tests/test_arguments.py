@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron3d.arguments import (
+from megatron3d.cli.arguments import (
     config_from_dict,
     config_to_dict,
     field_specs,

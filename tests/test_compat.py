@@ -1,5 +1,5 @@
 """Megatron launch scripts parse: each flag is applied, aliased, noticed or refused as the table
-in megatron3d/compat.py says, every problem of a command line is reported in one line, and
+in megatron3d/cli/compat.py says, every problem of a command line is reported in one line, and
 the README shows the table as it is."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import pretrain_gpt
-from megatron3d import compat
-from megatron3d.arguments import build_parser, parse_args, parse_command_line
+from megatron3d.cli import compat
+from megatron3d.cli.arguments import build_parser, parse_args, parse_command_line
 from megatron3d.errors import ConfigError
 from megatron3d.validation import validate
 from tests.helpers.tiny import train_argv

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron3d.arguments import parse_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.validation import validate
 
 REPO = Path(__file__).resolve().parents[1]

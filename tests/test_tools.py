@@ -14,10 +14,10 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from megatron3d.cli import OneLineParser, add_float, add_int, run_tool
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
+from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool
+from megatron3d.config.ranges import NON_NEGATIVE, SIZE
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
 from megatron3d.errors import ConfigError, DataError, TrainingError
-from megatron3d.ranges import NON_NEGATIVE, SIZE
 from tests.helpers.tools import load_tool
 
 NAMES = ("preprocess_data", "train_tokenizer", "prepare_data_cache", "hang_report",
@@ -222,7 +222,7 @@ def test_number_flags_name_flag_value_and_range():
      "iteration": 3, "main_stack": [], "ops": [{"seq": "x"}]},
 ], ids=["empty", "no ops", "not an object", "damaged op"])
 def test_a_damaged_hang_dump_is_skipped_with_its_reason(capsys, data):
-    from megatron3d.training.hang_dump import DATA_MARKER, FORMAT
+    from megatron3d.resilience.hang_dump import DATA_MARKER, FORMAT
 
     payload = {"format": FORMAT, **data} if isinstance(data, dict) else data
     Path("d/rank-00000.txt").write_text(f"{DATA_MARKER}\n{json.dumps(payload)}\n")

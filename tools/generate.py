@@ -24,7 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron3d.checkpoint.generation import (  # noqa: E402
+from megatron3d.checkpoint.reader import CheckpointReader  # noqa: E402
+from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool  # noqa: E402
+from megatron3d.config import DataConfig  # noqa: E402
+from megatron3d.config.ranges import AT_LEAST_ONE, POSITIVE, SEED, SIZE  # noqa: E402
+from megatron3d.convert.standalone import load_model, saved_config  # noqa: E402
+from megatron3d.data.tokenizer import TOKENIZER_TYPES, Tokenizer  # noqa: E402
+from megatron3d.errors import ConfigError  # noqa: E402
+from megatron3d.inference.generation import (
     DEFAULT_SEED,
     Sampling,
     continuation_text,
@@ -32,13 +39,6 @@ from megatron3d.checkpoint.generation import (  # noqa: E402
     generate_with_transformers,
     resolve_tokenizer,
 )
-from megatron3d.checkpoint.reader import CheckpointReader  # noqa: E402
-from megatron3d.checkpoint.standalone import load_model, saved_config  # noqa: E402
-from megatron3d.cli import OneLineParser, add_float, add_int, run_tool  # noqa: E402
-from megatron3d.config import DataConfig  # noqa: E402
-from megatron3d.data.tokenizer import TOKENIZER_TYPES, Tokenizer  # noqa: E402
-from megatron3d.errors import ConfigError  # noqa: E402
-from megatron3d.ranges import AT_LEAST_ONE, POSITIVE, SEED, SIZE  # noqa: E402
 
 _TOKENIZER_FIELDS = ("tokenizer_model", "vocab_file", "merge_file", "tokenizer_name_or_path")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron3d.cli import OneLineParser, run_tool  # noqa: E402
+from megatron3d.cli.common import OneLineParser, run_tool  # noqa: E402
 from megatron3d.errors import ConfigError, DataError  # noqa: E402
-from megatron3d.training.hang_report import analyse, format_report, load_dumps  # noqa: E402
+from megatron3d.resilience.hang_report import analyse, format_report, load_dumps  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,15 +31,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron3d import compat  # noqa: E402
-from megatron3d.arguments import build_parser, parse_command_line, read_config_file  # noqa: E402
-from megatron3d.cli import OneLineParser, add_float, add_int, run_tool  # noqa: E402
+from megatron3d.cli import compat  # noqa: E402
+from megatron3d.cli.arguments import build_parser, parse_command_line, read_config_file  # noqa: E402
+from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool  # noqa: E402
 from megatron3d.config import TrainConfig  # noqa: E402
+from megatron3d.config.ranges import AT_LEAST_ONE, POSITIVE, Range  # noqa: E402
 from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.planner.hardware import A100_80GB, Cluster  # noqa: E402
 from megatron3d.planner.report import summary, table, to_json  # noqa: E402
 from megatron3d.planner.search import Fixed, Planner  # noqa: E402
-from megatron3d.ranges import AT_LEAST_ONE, POSITIVE, Range  # noqa: E402
 
 _ALIASES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size"}
 _SWITCHES = {"--json"}  # the planner's flags that take no value

@@ -24,14 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron3d.cli import OneLineParser, add_int, run_tool  # noqa: E402
+from megatron3d.cli.common import OneLineParser, add_int, run_tool  # noqa: E402
 from megatron3d.config import ModelConfig, TrainConfig, TrainingConfig  # noqa: E402
+from megatron3d.config.ranges import BATCH, ITERATIONS, SAMPLES, SEED, SIZE, Range  # noqa: E402
 from megatron3d.data.blended_dataset import format_report  # noqa: E402
 from megatron3d.data.builder import DEFAULT_SPLIT, build_datasets, dry_run_report  # noqa: E402
 from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 from megatron3d.optim.batch_schedule import BatchSchedule  # noqa: E402
-from megatron3d.ranges import BATCH, ITERATIONS, SAMPLES, SEED, SIZE, Range  # noqa: E402
 from megatron3d.training.build import run_length, valid_samples  # noqa: E402
 
 logger = get_logger("prepare_data_cache")

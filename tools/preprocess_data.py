@@ -25,24 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron3d.cli import (  # noqa: E402
-    OneLineParser,
-    add_float,
-    add_int,
-    check_output_path,
-    run_tool,
-)
+from megatron3d.cli.common import OneLineParser, add_float, add_int, check_output_path, run_tool
+from megatron3d.config.ranges import AT_LEAST_ONE, POSITIVE, VOCABULARY  # noqa: E402
 from megatron3d.data.dataset_meta import read_meta  # noqa: E402
-from megatron3d.data.preprocess import (  # noqa: E402
-    INPUT_FORMATS,
-    PreprocessJob,
-    detect_format,
-    preprocess,
-)
+from megatron3d.data.prep.preprocess import INPUT_FORMATS, PreprocessJob, detect_format, preprocess
 from megatron3d.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec  # noqa: E402
 from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
-from megatron3d.ranges import AT_LEAST_ONE, POSITIVE, VOCABULARY  # noqa: E402
 
 logger = get_logger("preprocess_data")
 

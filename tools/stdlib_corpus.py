@@ -16,17 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron3d.cli import (  # noqa: E402
-    OneLineParser,
-    add_float,
-    add_int,
-    check_output_path,
-    run_tool,
-)
-from megatron3d.data.corpus import DEFAULT_SEED, stdlib_documents, write_jsonl  # noqa: E402
+from megatron3d.cli.common import OneLineParser, add_float, add_int, check_output_path, run_tool
+from megatron3d.config.ranges import POSITIVE, SEED  # noqa: E402
+from megatron3d.data.prep.corpus import DEFAULT_SEED, stdlib_documents, write_jsonl  # noqa: E402
 from megatron3d.errors import ConfigError  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
-from megatron3d.ranges import POSITIVE, SEED  # noqa: E402
 
 logger = get_logger("stdlib_corpus")
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron3d.cli import OneLineParser, add_float, add_int, check_output_path, run_tool  # noqa: E402
+from megatron3d.cli.common import OneLineParser, add_float, add_int, check_output_path, run_tool  # noqa: E402
+from megatron3d.config.ranges import AT_LEAST_ONE, VOCABULARY, Range  # noqa: E402
+from megatron3d.data.prep.tokenizer_training import read_texts, train_sentencepiece  # noqa: E402
 from megatron3d.data.tokenizer import SentencePieceTokenizer  # noqa: E402
-from megatron3d.data.tokenizer_training import read_texts, train_sentencepiece  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
-from megatron3d.ranges import AT_LEAST_ONE, VOCABULARY, Range  # noqa: E402
 
 logger = get_logger("train_tokenizer")
 

@@ -13,7 +13,7 @@ from benchmarks.peers.config import REFERENCE, PeerConfig, Row
 from benchmarks.peers.record import write_rank
 from benchmarks.peers.worker import parse_worker_args
 from megatron3d import device as devices
-from megatron3d.arguments import parse_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState

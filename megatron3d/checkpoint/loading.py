@@ -22,8 +22,8 @@ from torch import nn
 
 from megatron3d.checkpoint import io, shard_reader
 from megatron3d.checkpoint.chunks import KINDS
-from megatron3d.checkpoint.manager import Progress, layout
 from megatron3d.checkpoint.reader import find
+from megatron3d.checkpoint.saving import Progress, layout
 from megatron3d.config import ModelConfig, TrainConfig
 from megatron3d.errors import CheckpointError, ConfigError
 from megatron3d.log import get_logger

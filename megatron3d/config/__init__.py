@@ -23,6 +23,7 @@ from megatron3d.config.model import (
     ParallelConfig,
     PositionEmbeddingType,
 )
+from megatron3d.config.ranges import Range
 from megatron3d.config.run import (
     CheckpointConfig,
     DataConfig,
@@ -37,7 +38,6 @@ from megatron3d.config.training import (
     PrecisionConfig,
     TrainingConfig,
 )
-from megatron3d.ranges import Range
 
 __all__ = [
     "SECTIONS", "ZERO_STAGES", "CheckpointConfig", "DataConfig", "LRDecayStyle",

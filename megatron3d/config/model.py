@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron3d.ranges import (
+from megatron3d.config.ranges import (
     AT_LEAST_ONE,
     LAYERS,
     NON_NEGATIVE,

@@ -5,14 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron3d.ranges import (
-    AT_LEAST_ONE,
-    ITERATIONS,
-    NON_NEGATIVE,
-    POSITIVE,
-    Range,
-    option,
-)
+from megatron3d.config.ranges import AT_LEAST_ONE, ITERATIONS, NON_NEGATIVE, POSITIVE, Range, option
 
 TokenizerType = Literal["SentencePieceTokenizer", "PretrainedFromHF", "GPT2BPETokenizer",
                         "NullTokenizer"]

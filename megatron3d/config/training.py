@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron3d.ranges import (
+from megatron3d.config.ranges import (
     AT_LEAST_ONE,
     BATCH,
     FRACTION,

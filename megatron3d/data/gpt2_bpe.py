@@ -18,7 +18,7 @@ import sys
 import unicodedata
 from collections.abc import Sequence
 
-from megatron3d.data.tokenizer import Tokenizer, _read_json, _require_file
+from megatron3d.data.tokenizer_base import Tokenizer, read_json, require_file
 from megatron3d.errors import ConfigError
 
 EOD_TOKEN = "<|endoftext|>"
@@ -152,9 +152,9 @@ class GPT2BPETokenizer(Tokenizer):
     """GPT-2's tokenizer (``--vocab-file vocab.json --merge-file merges.txt``)."""
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
-        _require_file(vocab_file, "--vocab-file")
-        _require_file(merge_file, "--merge-file")
-        vocab = _read_json(vocab_file, "a GPT-2 vocab.json")
+        require_file(vocab_file, "--vocab-file")
+        require_file(merge_file, "--merge-file")
+        vocab = read_json(vocab_file, "a GPT-2 vocab.json")
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
             raise ConfigError(f"{vocab_file}: every value of a GPT-2 vocab.json must be a "
                               "token id (a whole number); is this a GPT-2 vocab.json?")

@@ -7,37 +7,19 @@ local files, and a missing file is a ``ConfigError`` naming the flag and the pat
 
 from __future__ import annotations
 
-import json
 import os
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from megatron3d.data.gpt2_bpe import GPT2BPETokenizer
+from megatron3d.data.tokenizer_base import Tokenizer, first_line, read_json, require_file
 from megatron3d.errors import ConfigError, DataError
 
 TokenizerType = Literal["SentencePieceTokenizer", "PretrainedFromHF", "GPT2BPETokenizer",
                         "NullTokenizer"]
 TOKENIZER_TYPES: tuple[str, ...] = ("SentencePieceTokenizer", "PretrainedFromHF",
                                     "GPT2BPETokenizer", "NullTokenizer")
-
-
-class Tokenizer(ABC):
-    """Text <-> token ids."""
-
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def eod(self) -> int: ...
-
-    @abstractmethod
-    def tokenize(self, text: str) -> list[int]: ...
-
-    @abstractmethod
-    def detokenize(self, ids: Sequence[int]) -> str: ...
 
 
 class NullTokenizer(Tokenizer):
@@ -85,12 +67,12 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str) -> None:
         import sentencepiece
 
-        _require_file(model_file, "--tokenizer-model")
+        require_file(model_file, "--tokenizer-model")
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
         except (RuntimeError, OSError) as exc:
             raise ConfigError(f"--tokenizer-model {model_file!r} is not a SentencePiece model "
-                              f"({_first_line(exc)}); give the .model file "
+                              f"({first_line(exc)}); give the .model file "
                               "tools/train_tokenizer.py wrote") from None
         if self._sp.eos_id() < 0:
             raise ConfigError(f"{model_file}: the SentencePiece model has no end-of-sentence "
@@ -138,7 +120,7 @@ class HFTokenizer(Tokenizer):
             self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as exc:  # the Rust binding raises a bare Exception
             raise ConfigError(f"--tokenizer-name-or-path {name_or_path!r}: {path} is not a "
-                              f"fast tokenizer file ({_first_line(exc)}); give the "
+                              f"fast tokenizer file ({first_line(exc)}); give the "
                               "tokenizer.json saved with the model") from None
         self._eod = self._find_eod(directory, path)
 
@@ -146,7 +128,7 @@ class HFTokenizer(Tokenizer):
         names = list(_EOS_NAMES)
         config = os.path.join(directory, "tokenizer_config.json")
         if os.path.isfile(config):
-            eos = _read_json(config, "tokenizer_config.json").get("eos_token")
+            eos = read_json(config, "tokenizer_config.json").get("eos_token")
             if isinstance(eos, dict):
                 eos = eos.get("content")
             if eos:
@@ -205,8 +187,6 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     if kind == "PretrainedFromHF":
         return HFTokenizer(_need(spec.tokenizer_name_or_path, "--tokenizer-name-or-path", kind))
     if kind == "GPT2BPETokenizer":
-        from megatron3d.data.gpt2_bpe import GPT2BPETokenizer
-
         return GPT2BPETokenizer(_need(spec.vocab_file, "--vocab-file", kind),
                                 _need(spec.merge_file, "--merge-file", kind))
     if kind == "NullTokenizer":
@@ -215,30 +195,7 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
                       f"{', '.join(TOKENIZER_TYPES)}")
 
 
-def _read_json(path: str, what: str) -> dict:
-    """A JSON object from a tokenizer file; ConfigError when it is unreadable or not one."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read it as {what} ({_first_line(exc)}); give the "
-                          "file saved with the tokenizer") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: {what} must hold a JSON object, found a "
-                          f"{type(data).__name__}; give the file saved with the tokenizer")
-    return data
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def _need(value, flag: str, kind: str):
     if value is None:
         raise ConfigError(f"--tokenizer-type {kind} needs {flag}")
     return value
-
-
-def _require_file(path: str, flag: str) -> None:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path!r}: file not found; give the path of an existing file")

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron3d.accounting.activations import FP32, layer_activation_bytes
+from megatron3d.accounting.memory import Buffers, MemoryBytes, state_bytes
 from megatron3d.config import ModelConfig, TrainConfig
 from megatron3d.pipeline.instructions import Backward, Forward
 from megatron3d.pipeline.interleaved import interleaved_1f1b
 from megatron3d.pipeline.schedule import schedule_for
 from megatron3d.planner.hardware import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
-from megatron3d.training.activation_memory import FP32, layer_activation_bytes
-from megatron3d.training.memory import Buffers, MemoryBytes, state_bytes
 
 TOKEN_ID_BYTES = 8  # int64 ids the embedding lookup keeps
 BF16_BYTES = 2

@@ -6,12 +6,12 @@ import re
 from collections import Counter
 from typing import Any
 
+from megatron3d.accounting.model_size import model_size
 from megatron3d.config import ModelConfig
 from megatron3d.model.context import LayerContext
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.planner.hardware import GIB, Cluster
 from megatron3d.planner.search import Plan
-from megatron3d.training.model_size import model_size
 
 _HEADER = (f"{'#':>4} {'TP':>3} {'PP':>3} {'DP':>4} {'MBS':>3} {'ZeRO':>4} {'recompute':<9} "
            f"{'v':>2} {'partition':<26} {'GiB':>6} {'s/iter':>8} {'TFLOPs':>7} {'bubble':>6}  "

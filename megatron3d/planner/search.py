@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from megatron3d.accounting.memory import Buffers, planned_buffers
 from megatron3d.config import TrainConfig
 from megatron3d.errors import ConfigError
 from megatron3d.optim.batch_schedule import BatchSchedule
@@ -21,7 +22,6 @@ from megatron3d.planner.hardware import GIB, Cluster
 from megatron3d.planner.layout import RECOMPUTE, Layout, Placement, placement
 from megatron3d.planner.memory import RankMemory, rank_memory
 from megatron3d.planner.timing import StepTime, step_time
-from megatron3d.training.memory import Buffers, planned_buffers
 from megatron3d.validation import layer_table, validate
 
 PARTITION_METHODS = ("parameters", "uniform", "type:transformer|embedding")

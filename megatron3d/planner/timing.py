@@ -35,15 +35,15 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron3d.config import TrainConfig
-from megatron3d.optim.batch_schedule import BatchSchedule
-from megatron3d.planner.hardware import Cluster
-from megatron3d.planner.layout import Layout, Placement
-from megatron3d.training.flops import (
+from megatron3d.accounting.flops import (
     attention_core_flops_per_token,
     flops_per_iteration,
     layer_forward_flops_per_token,
 )
+from megatron3d.config import TrainConfig
+from megatron3d.optim.batch_schedule import BatchSchedule
+from megatron3d.planner.hardware import Cluster
+from megatron3d.planner.layout import Layout, Placement
 from megatron3d.validation import layer_table
 
 FP32 = 4

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megatron3d.accounting import memory
+from megatron3d.accounting.model_size import ModelSize, format_padded_vocab, model_size
 from megatron3d.checkpoint import loading
-from megatron3d.checkpoint import manager as checkpoint
+from megatron3d.checkpoint import saving as checkpoint
 from megatron3d.checkpoint.reader import find
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
@@ -34,12 +36,10 @@ from megatron3d.pipeline.engine import PipelineEngine
 from megatron3d.pipeline.partition import format_partition_table, partition_layers
 from megatron3d.pipeline.spec import VirtualStages, build_chunks
 from megatron3d.pipeline.tied import TiedWeights
-from megatron3d.training import memory
 from megatron3d.training.data_setup import build_run_data
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Progress, Trainer
-from megatron3d.training.model_size import ModelSize, format_padded_vocab, model_size
 from megatron3d.training.preflight import check_same_config
 from megatron3d.zero.factory import DataParallel, build_data_parallel
 

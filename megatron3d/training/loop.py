@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from megatron3d.accounting import memory
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch
 from megatron3d.log import Point, TensorBoardWriter, every_rank_logger, get_logger
@@ -23,7 +24,6 @@ from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.pipeline.engine import PipelineEngine
-from megatron3d.training import memory
 from megatron3d.training.evaluate import evaluate, format_eval_line, perplexity
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
@@ -111,7 +111,7 @@ class Trainer:
     grad_sync: GradSync  # reductions between backward and the optimizer step
     dp: AxisGroup
     data_parallel: DataParallel  # buffers and shards of this rank's ZeRO stage
-    save: Saver | None  # checkpoint.manager.Saver under --save
+    save: Saver | None  # checkpoint.saving.Saver under --save
     exit_watch: ExitWatch
     progress: Progress = field(default_factory=Progress)
     heartbeat: Heartbeat = field(default_factory=_NoHeartbeat)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron3d import device as devices
+from megatron3d.accounting.flops import FlopsCount, flops_per_iteration, throughput
 from megatron3d.config import TrainConfig
 from megatron3d.log import (
     IterationStats,
@@ -28,7 +29,6 @@ from megatron3d.log import (
     get_logger,
 )
 from megatron3d.training import metrics as m
-from megatron3d.training.flops import FlopsCount, flops_per_iteration, throughput
 from megatron3d.training.step import StepResult
 
 logger = get_logger(__name__)

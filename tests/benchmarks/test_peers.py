@@ -28,7 +28,7 @@ from benchmarks.peers.run_megatron3d import megatron3d_argv
 from benchmarks.peers.runner import RowResult, first_error, missing_package
 from benchmarks.peers.table import LOSS_TOLERANCE, disagreeing, format_tables
 from benchmarks.peers.torch_optim import clip_grads
-from megatron3d.arguments import parse_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.data.mock import MockGPTDataset
 from megatron3d.data.sampler import micro_batches
 from megatron3d.model.gpt import build_gpt

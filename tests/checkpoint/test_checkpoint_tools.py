@@ -16,10 +16,10 @@ import torch
 
 from megatron3d.checkpoint import io
 from megatron3d.checkpoint.chunks import KINDS
-from megatron3d.checkpoint.contents import Layout, model_tensors
-from megatron3d.checkpoint.offline import write_checkpoint
 from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.config import TrainConfig, TrainingConfig
+from megatron3d.convert.contents import Layout, model_tensors
+from megatron3d.convert.offline import write_checkpoint
 from tests.checkpoint.conftest import INIT, PEAK_LINE
 from tests.checkpoint.test_bad_checkpoints import _tree
 from tests.helpers.dist import run_distributed

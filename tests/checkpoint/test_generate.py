@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron3d.checkpoint.generation import Sampling, generate, resolve_tokenizer
-from megatron3d.checkpoint.standalone import load_model
+from megatron3d.convert.standalone import load_model
 from megatron3d.errors import ConfigError
+from megatron3d.inference.generation import Sampling, generate, resolve_tokenizer
 from tests.helpers.tools import load_tool, tool_logging
 
 generate_tool = load_tool("generate.py")

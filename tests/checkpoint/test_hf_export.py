@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron3d.checkpoint import hf_export
-from megatron3d.checkpoint.contents import model_tensors
-from megatron3d.checkpoint.hf import ARCHITECTURES
-from megatron3d.checkpoint.offline import write_checkpoint
-from megatron3d.checkpoint.standalone import load_model
 from megatron3d.config import TrainConfig, TrainingConfig
+from megatron3d.convert.contents import model_tensors
+from megatron3d.convert.hf import to_hf
+from megatron3d.convert.hf.mapping import ARCHITECTURES
+from megatron3d.convert.offline import write_checkpoint
+from megatron3d.convert.standalone import load_model
 from tests.checkpoint.conftest import FLAVOURS, PEAK_LINE
 from tests.checkpoint.test_bad_checkpoints import _tree
 from tests.checkpoint.test_checkpoint_tools import _bad_checkpoints
@@ -139,7 +139,7 @@ def test_a_failed_verification_leaves_nothing(checkpoints, tmp_path, capsys, mon
     """Logits that disagree (simulated: no difference is tolerated) fail the export with
     exit code 1 after it was written and loaded: the output, its .tmp and the directories
     made for it are removed."""
-    monkeypatch.setattr(hf_export, "TOLERANCE", -1.0)
+    monkeypatch.setattr(to_hf, "TOLERANCE", -1.0)
     assert export_hf.main(["--load", str(checkpoints / "gpt2"), "--output",
                            str(tmp_path / "new" / "dir" / "hf")]) == 1
     assert "does not reproduce the checkpoint's logits" in _one_error_line(capsys)

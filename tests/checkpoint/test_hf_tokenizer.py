@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron3d.checkpoint.hf_export import export_tokenizer
-from megatron3d.checkpoint.standalone import tokenizer_spec
 from megatron3d.config import DataConfig, ModelConfig, TrainConfig, TrainingConfig
+from megatron3d.convert.hf.to_hf import export_tokenizer
+from megatron3d.convert.standalone import tokenizer_spec
 from megatron3d.data.tokenizer import build_tokenizer
 from tests.data.test_tokenizer import TEXTS, tiny_gpt2_files
 

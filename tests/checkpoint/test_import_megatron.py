@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron3d.checkpoint import mcore_args
 from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.config import ModelConfig
+from megatron3d.convert.megatron import args as mcore_args
 from megatron3d.data.mock import MockGPTDataset
 from tests.checkpoint.conftest import PEAK_LINE
 from tests.checkpoint.test_bad_checkpoints import _tree

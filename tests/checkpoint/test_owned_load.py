@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron3d.checkpoint import chunk_index, loading
-from megatron3d.checkpoint.streaming import PeakMemory
+from megatron3d.convert.streaming import PeakMemory
 from tests.helpers.dist import run_distributed
 from tests.helpers.files import opened_files
 from tests.helpers.runs import build, train, train_single

@@ -327,13 +327,13 @@ def test_sigkill_at_random_moments_leaves_a_loadable_latest(tmp_path):
 _SIGTERM_DURING_SAVE = """
 import os, signal, sys
 sys.path.insert(0, os.getcwd())
-from megatron3d.checkpoint import manager
+from megatron3d.checkpoint import saving
 import pretrain_gpt
-real = manager.save
+real = saving.save
 def save(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGTERM)  # the launcher's forwarded SIGTERM, mid-save
     return real(*args, **kwargs)
-manager.save = save
+saving.save = save
 sys.exit(pretrain_gpt.main(sys.argv[1:]))
 """
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron3d.data.blended_dataset import blending_index, format_report
 from megatron3d.data.builder import build_datasets, dry_run_report, parse_data_path
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
 from megatron3d.errors import ConfigError
 from tests.helpers.batches import assert_same_global_batch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from megatron3d.data.corpus import stdlib_documents
+from megatron3d.data.prep.corpus import stdlib_documents
 from tests.helpers.tools import load_tool, tool_logging
 
 LIMIT = 2_000_000

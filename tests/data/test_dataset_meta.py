@@ -17,9 +17,9 @@ from megatron3d.data.dataset_meta import (
     read_meta,
     write_meta,
 )
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
 from megatron3d.data.indexed_dataset import IndexedDataset
-from megatron3d.data.preprocess import PreprocessJob, detect_format, preprocess
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
+from megatron3d.data.prep.preprocess import PreprocessJob, detect_format, preprocess
 from megatron3d.data.tokenizer import TokenizerSpec
 from megatron3d.errors import ConfigError, DataError
 

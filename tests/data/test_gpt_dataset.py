@@ -9,8 +9,8 @@ import torch
 from megatron3d.data.builder import build_datasets, dry_run_report, parse_split, split_ranges
 from megatron3d.data.gpt_dataset import GPTDataset
 from megatron3d.data.index_cache import IndexCache
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
 from megatron3d.data.indexed_dataset import IndexedDataset
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
 from megatron3d.data.sample_index import build_sample_index, num_epochs_for, samples_in_epochs
 from megatron3d.errors import ConfigError, DataError
 from tests.helpers.batches import assert_same_global_batch

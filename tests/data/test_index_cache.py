@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron3d.data import index_cache
 from megatron3d.data.builder import build_datasets
 from megatron3d.data.index_cache import IndexCache, cache_key, dataset_identity
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
 from megatron3d.errors import DataError
 from tests.helpers.dist import run_distributed
 

@@ -8,9 +8,9 @@ import struct
 import numpy as np
 import pytest
 
-from megatron3d.data import indexed_builder
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder, best_dtype, merge_datasets
 from megatron3d.data.indexed_dataset import IndexedDataset
+from megatron3d.data.prep import indexed_builder
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder, best_dtype, merge_datasets
 from megatron3d.errors import DataError
 
 DOCS = [[1, 2, 3], [4, 5]]

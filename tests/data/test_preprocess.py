@@ -12,12 +12,12 @@ import pytest
 
 import pretrain_gpt
 from megatron3d.data import gpt_dataset
-from megatron3d.data import preprocess as preprocess_module
-from megatron3d.data.corpus import stdlib_documents
 from megatron3d.data.indexed_dataset import IndexedDataset
-from megatron3d.data.preprocess import PreprocessJob, line_aligned_bounds, preprocess
+from megatron3d.data.prep import preprocess as preprocess_module
+from megatron3d.data.prep.corpus import stdlib_documents
+from megatron3d.data.prep.preprocess import PreprocessJob, line_aligned_bounds, preprocess
+from megatron3d.data.prep.tokenizer_training import train_sentencepiece
 from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
-from megatron3d.data.tokenizer_training import train_sentencepiece
 from megatron3d.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[2]

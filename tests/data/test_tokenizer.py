@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from megatron3d.data.gpt2_bpe import ByteLevelBPE, byte_symbols, word_pattern
+from megatron3d.data.prep.tokenizer_training import pieces, read_texts, train_sentencepiece
 from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
-from megatron3d.data.tokenizer_training import pieces, read_texts, train_sentencepiece
 from megatron3d.errors import ConfigError, DataError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "def", "return", "(x)", "==", "42", "über"]

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import pretrain_gpt
 from megatron3d import device as devices
-from megatron3d.arguments import parse_args
 from megatron3d.checkpoint.safety import check_paths
+from megatron3d.cli.arguments import parse_args
 from megatron3d.errors import Megatron3dError, TrainingError
 from megatron3d.mpu.state import ParallelState
 from megatron3d.training.build import build_trainer

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import pytest
 from hypothesis import settings
 
-from megatron3d.arguments import field_specs
+from megatron3d.cli.arguments import field_specs
 from megatron3d.config import TrainConfig, flat_fields
 from megatron3d.errors import Megatron3dError
 

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import pretrain_gpt
 from megatron3d.data.builder import build_datasets
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
 from megatron3d.data.indexed_dataset import IndexedDataset
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
 from megatron3d.errors import ConfigError, DataError
 from tests.fuzz.common import assert_main_refuses, attempt, fuzz, tree_digest
 from tests.helpers.tiny import train_argv

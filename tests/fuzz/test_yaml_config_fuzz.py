@@ -21,7 +21,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import pretrain_gpt
-from megatron3d.arguments import field_specs, parse_args
+from megatron3d.cli.arguments import field_specs, parse_args
 from megatron3d.errors import ConfigError
 from megatron3d.validation import validate
 from tests.fuzz.common import (

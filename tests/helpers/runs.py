@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron3d.arguments import parse_args
 from megatron3d.checkpoint.loading import with_checkpoint_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron3d.arguments import parse_args
-from megatron3d.checkpoint import hf
+from megatron3d.cli.arguments import parse_args
 from megatron3d.config import ModelConfig
+from megatron3d.convert.hf import mapping
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt
 from megatron3d.mpu.meta import get_meta
@@ -60,11 +60,11 @@ def _logical(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _theirs(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    config = hf.hf_config(cfg)
+    config = mapping.hf_config(cfg)
     config_class = transformers.CONFIG_MAPPING[config["model_type"]]
     model = transformers.AutoModelForCausalLM.from_config(
         config_class(**config), attn_implementation="eager").eval()
-    state = dict(pair for name, t in tensors.items() for pair in hf.to_hf(cfg, name, t))
+    state = dict(pair for name, t in tensors.items() for pair in mapping.to_hf(cfg, name, t))
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if cfg.tie_embeddings:
@@ -89,8 +89,8 @@ def test_logits_equal_transformers(case):
 def test_tensors_round_trip_through_the_transformers_layout_bitwise(case):
     cfg, ours = _ours(case)
     tensors = _logical(ours)
-    theirs = dict(pair for name, t in tensors.items() for pair in hf.to_hf(cfg, name, t))
-    back = dict(hf.from_hf(cfg, list(tensors), theirs.__getitem__))
+    theirs = dict(pair for name, t in tensors.items() for pair in mapping.to_hf(cfg, name, t))
+    back = dict(mapping.from_hf(cfg, list(tensors), theirs.__getitem__))
     assert back.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert torch.equal(back[name], tensor), name
@@ -104,6 +104,6 @@ _SAME = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ff
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_config_round_trips(case):
     cfg, _ = _ours(case)
-    rebuilt = ModelConfig(**hf.model_fields(hf.hf_config(cfg), cfg.seq_length))
+    rebuilt = ModelConfig(**mapping.model_fields(mapping.hf_config(cfg), cfg.seq_length))
     assert {k: getattr(rebuilt, k) for k in _SAME} == {k: getattr(cfg, k) for k in _SAME}
-    assert hf.hf_config(rebuilt) == hf.hf_config(cfg)
+    assert mapping.hf_config(rebuilt) == mapping.hf_config(cfg)

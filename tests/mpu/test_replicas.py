@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from megatron3d import device as devices
-from megatron3d.arguments import parse_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.model.gpt import build_gpt
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.replicas import ReplicaDriftError, check_tp_replicas

@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+from megatron3d.accounting.activations import saved_bytes
 from megatron3d.config import ModelConfig
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, lm_loss
@@ -20,7 +21,6 @@ from megatron3d.pipeline.interleaved import interleaved_1f1b
 from megatron3d.pipeline.schedule import schedule_for
 from megatron3d.pipeline.simulate import simulate
 from megatron3d.planner.memory import Activations, in_flight_states
-from megatron3d.training.activation_memory import saved_bytes
 from megatron3d.validation import stage_bounds
 from tests.helpers.tiny import FLAVOURS
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron3d.arguments import parse_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.planner.hardware import Cluster
 from megatron3d.planner.layout import Layout
 from megatron3d.planner.search import Fixed, Planner

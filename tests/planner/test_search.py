@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from megatron3d.arguments import parse_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.errors import ConfigError
 from megatron3d.planner.hardware import Cluster
 from megatron3d.planner.layout import RECOMPUTE, Layout

@@ -11,13 +11,7 @@ import functools
 import pytest
 import torch
 
-from megatron3d.config import ModelConfig
-from megatron3d.mpu.layers import ColumnParallelLinear
-from megatron3d.mpu.mappings import reduce_from_tp_region
-from megatron3d.mpu.random import seeded_normal
-from megatron3d.mpu.sharding import tp_shard
-from megatron3d.mpu.state import AxisGroup, ParallelState
-from megatron3d.training.activation_memory import (
+from megatron3d.accounting.activations import (
     PeakMemory,
     cross_entropy_peak,
     layer_activation_bytes,
@@ -25,6 +19,12 @@ from megatron3d.training.activation_memory import (
     paper_layer_bytes,
     saved_bytes,
 )
+from megatron3d.config import ModelConfig
+from megatron3d.mpu.layers import ColumnParallelLinear
+from megatron3d.mpu.mappings import reduce_from_tp_region
+from megatron3d.mpu.random import seeded_normal
+from megatron3d.mpu.sharding import tp_shard
+from megatron3d.mpu.state import AxisGroup, ParallelState
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny import FLAVOURS
 

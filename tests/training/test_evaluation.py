@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import pretrain_gpt
 from megatron3d import device as devices
 from megatron3d.config import CheckpointConfig
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
 from megatron3d.log import setup_logging
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.training.exit_watch import ExitWatch

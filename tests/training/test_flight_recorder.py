@@ -15,10 +15,10 @@ import torch
 
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.instructions import Backward, Exchange, Forward
-from megatron3d.training.flight_recorder import FlightRecorder
-from megatron3d.training.hang_dump import dump_path, read_dump, write_dump
-from megatron3d.training.hang_report import analyse, format_report
-from megatron3d.training.watchdog import HANG_EXIT_CODE, Watchdog, default_dump_dir
+from megatron3d.resilience.flight_recorder import FlightRecorder
+from megatron3d.resilience.hang_dump import dump_path, read_dump, write_dump
+from megatron3d.resilience.hang_report import analyse, format_report
+from megatron3d.resilience.watchdog import HANG_EXIT_CODE, Watchdog, default_dump_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 TP = AxisGroup(group=object(), rank=0, size=2, ranks=(0, 1), name="tp")
@@ -153,9 +153,9 @@ def test_watchdog_fires_while_the_main_thread_is_blocked(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
-        import megatron3d.training.watchdog as w
+        import megatron3d.resilience.watchdog as w
         from pathlib import Path
-        from megatron3d.training.flight_recorder import FlightRecorder
+        from megatron3d.resilience.flight_recorder import FlightRecorder
         w.EXIT_GRACE_S = 0.0
         dog = w.Watchdog(FlightRecorder(4), Path({str(tmp_path)!r}), 0, {{"tp": 1, "pp": 1,
                          "dp": 1}}, {{"tp": 0, "pp": 0, "dp": 0}}, 1.0, 1.0).start()

@@ -8,17 +8,17 @@ from fractions import Fraction
 import pytest
 import torch
 
-from megatron3d.config import ModelConfig
-from megatron3d.model.context import LayerContext
-from megatron3d.model.transformer import TransformerLayer
-from megatron3d.mpu.state import AxisGroup
-from megatron3d.training.flops import (
+from megatron3d.accounting.flops import (
     FlopsCount,
     flops_per_iteration,
     layer_forward_flops_per_token,
     tflops_per_gpu,
     throughput,
 )
+from megatron3d.config import ModelConfig
+from megatron3d.model.context import LayerContext
+from megatron3d.model.transformer import TransformerLayer
+from megatron3d.mpu.state import AxisGroup
 
 
 def gpt2_medium(checkpoint: bool = False) -> ModelConfig:

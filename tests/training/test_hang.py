@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatron3d.training.hang_dump import read_dump
-from megatron3d.training.watchdog import HANG_EXIT_CODE
+from megatron3d.resilience.hang_dump import read_dump
+from megatron3d.resilience.watchdog import HANG_EXIT_CODE
 from tests.helpers.launch import ROOT, Job, launch
 
 HANG_TIMEOUT = 4.0

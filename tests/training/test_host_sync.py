@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from megatron3d.mpu import traffic
-from megatron3d.training.flight_recorder import FlightRecorder
+from megatron3d.resilience.flight_recorder import FlightRecorder
 from tests.helpers.dist import run_distributed
 from tests.helpers.host_sync import no_host_sync
 from tests.helpers.runs import build

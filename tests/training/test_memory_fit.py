@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron3d.arguments import parse_args
+from megatron3d.accounting.memory import check_fits, fullest_rank_lower_bound
+from megatron3d.cli.arguments import parse_args
 from megatron3d.errors import ConfigError
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt
 from megatron3d.mpu.state import AxisGroup
-from megatron3d.training.memory import check_fits, fullest_rank_lower_bound
 from tests.helpers.tiny import train_argv
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron3d.training import memory
+from megatron3d.accounting import memory
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import build
 from tests.helpers.tiny import train_argv

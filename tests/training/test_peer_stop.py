@@ -15,8 +15,8 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron3d.data.dataset_meta import describe, write_meta
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
-from megatron3d.training.failure_board import FailureBoard
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
+from megatron3d.resilience.failure_board import FailureBoard
 from tests.helpers.launch import ROOT, Job, launch
 from tests.helpers.tiny import train_argv
 from tests.training.test_real_data import VOCAB, _argv
@@ -89,9 +89,9 @@ def test_the_watchdog_stops_a_rank_blocked_in_a_collective_when_a_peer_fails(tmp
         sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
         import torch.distributed as dist
-        from megatron3d.training.failure_board import FailureBoard
-        from megatron3d.training.flight_recorder import FlightRecorder
-        from megatron3d.training.watchdog import Watchdog
+        from megatron3d.resilience.failure_board import FailureBoard
+        from megatron3d.resilience.flight_recorder import FlightRecorder
+        from megatron3d.resilience.watchdog import Watchdog
         board = FailureBoard(dist.FileStore({str(store_file)!r}, -1), 0)
         Watchdog(FlightRecorder(4), Path({str(tmp_path)!r}), 0, {{"tp": 1, "pp": 1, "dp": 2}},
                  {{"tp": 0, "pp": 0, "dp": 0}}, 0.0, 0.0, board).start()

@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron3d.arguments import parse_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.errors import ConfigError
 from megatron3d.mpu.state import ParallelState
 from megatron3d.training import preflight

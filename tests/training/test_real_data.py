@@ -9,7 +9,7 @@ import pytest
 
 import pretrain_gpt
 from megatron3d.data.dataset_meta import describe, write_meta
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
 from tests.helpers.dist import run_distributed
 from tests.helpers.launch import launch
 from tests.helpers.runs import assert_same_run, merge_ranks, train, train_single

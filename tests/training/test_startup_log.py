@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from megatron3d import device as devices
+from megatron3d.accounting.model_size import model_size
 from megatron3d.model.gpt import build_gpt
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import AxisGroup
-from megatron3d.training.model_size import model_size
 from tests.helpers.dist import run_distributed
 from tests.helpers.log_lines import LogLines
 from tests.helpers.runs import build

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import pretrain_gpt
 from megatron3d import device as devices
-from megatron3d.arguments import parse_args
+from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.state import ParallelState
 from megatron3d.training.build import build_trainer
 from megatron3d.validation import validate

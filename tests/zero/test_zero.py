@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron3d.accounting import memory
 from megatron3d.mpu.traffic import CommCounter, observing
-from megatron3d.training import memory
 from tests.helpers.dist import run_distributed
 from tests.helpers.faults import CorruptAfterReduce
 from tests.helpers.runs import build, train, train_single

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron3d.accounting import memory
 from megatron3d.mpu.traffic import CommCounter, observing
 from megatron3d.pipeline.schedule import schedule_for
-from megatron3d.training import memory
 from megatron3d.training.step import train_step
 from megatron3d.zero.stage3 import plan as P  # noqa: N812 - the plan vocabulary, P.GATHER etc.
 from megatron3d.zero.stage3.runtime import _assign_slots

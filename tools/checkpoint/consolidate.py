@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron3d.checkpoint.consolidate import consolidate  # noqa: E402
-from megatron3d.checkpoint.streaming import PeakMemory, peak_text, size_text  # noqa: E402
-from megatron3d.cli import OneLineParser, check_output_path, run_tool  # noqa: E402
+from megatron3d.cli.common import OneLineParser, check_output_path, run_tool  # noqa: E402
+from megatron3d.convert.consolidate import consolidate  # noqa: E402
+from megatron3d.convert.streaming import PeakMemory, peak_text, size_text  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 
 logger = get_logger("consolidate")

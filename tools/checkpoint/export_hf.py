@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron3d.checkpoint.hf_export import export, plan_export  # noqa: E402
-from megatron3d.checkpoint.streaming import peak_text, size_text  # noqa: E402
-from megatron3d.cli import OneLineParser, check_output_path, run_tool  # noqa: E402
+from megatron3d.cli.common import OneLineParser, check_output_path, run_tool  # noqa: E402
+from megatron3d.convert.hf.to_hf import export, plan_export  # noqa: E402
+from megatron3d.convert.streaming import peak_text, size_text  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 
 logger = get_logger("export_hf")

@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron3d.arguments import build_parser  # noqa: E402
-from megatron3d.checkpoint import mcore_import  # noqa: E402
-from megatron3d.checkpoint.streaming import PeakMemory, peak_text, size_text  # noqa: E402
-from megatron3d.cli import OneLineParser, add_int, run_tool  # noqa: E402
+from megatron3d.cli.arguments import build_parser  # noqa: E402
+from megatron3d.cli.common import OneLineParser, add_int, run_tool  # noqa: E402
+from megatron3d.config.ranges import AT_LEAST_ONE  # noqa: E402
+from megatron3d.convert.megatron import from_mcore  # noqa: E402
+from megatron3d.convert.streaming import PeakMemory, peak_text, size_text  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
-from megatron3d.ranges import AT_LEAST_ONE  # noqa: E402
 
 logger = get_logger("import_megatron")
 
@@ -47,10 +47,10 @@ def _run(argv: Sequence[str] | None) -> int:
     flags = vars(build_parser().parse(rest))
     setup_logging(0, 0)
     peak = PeakMemory()
-    directory = mcore_import.iteration_dir(Path(args.load))
-    mcore_import.check_backend(directory)
-    model = mcore_import.model_config(directory, flags)
-    written, layer = mcore_import.import_megatron(model, directory, args.save,
+    directory = from_mcore.iteration_dir(Path(args.load))
+    from_mcore.check_backend(directory)
+    model = from_mcore.model_config(directory, flags)
+    written, layer = from_mcore.import_megatron(model, directory, args.save,
                                                   args.tensor_model_parallel_size,
                                                   args.pipeline_model_parallel_size)
     logger.info("wrote %s: train it with pretrain_gpt.py --load %s --use-checkpoint-args; %s",

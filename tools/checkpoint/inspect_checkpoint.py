@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron3d.checkpoint.inspection import checked_tensors, summary, tensor_lines  # noqa: E402
 from megatron3d.checkpoint.reader import CheckpointReader  # noqa: E402
-from megatron3d.checkpoint.streaming import PeakMemory, peak_text, size_text  # noqa: E402
-from megatron3d.cli import OneLineParser, run_tool  # noqa: E402
+from megatron3d.cli.common import OneLineParser, run_tool  # noqa: E402
+from megatron3d.convert.inspection import checked_tensors, summary, tensor_lines  # noqa: E402
+from megatron3d.convert.streaming import PeakMemory, peak_text, size_text  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
 
 logger = get_logger("inspect_checkpoint")

@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron3d.checkpoint.contents import ZERO_STAGES  # noqa: E402
-from megatron3d.checkpoint.relayout import reshape  # noqa: E402
-from megatron3d.checkpoint.streaming import PeakMemory, peak_text, size_text  # noqa: E402
-from megatron3d.cli import OneLineParser, add_int, run_tool  # noqa: E402
+from megatron3d.cli.common import OneLineParser, add_int, run_tool  # noqa: E402
+from megatron3d.config.ranges import AT_LEAST_ONE  # noqa: E402
+from megatron3d.convert.contents import ZERO_STAGES  # noqa: E402
+from megatron3d.convert.relayout import reshape  # noqa: E402
+from megatron3d.convert.streaming import PeakMemory, peak_text, size_text  # noqa: E402
 from megatron3d.log import get_logger, setup_logging  # noqa: E402
-from megatron3d.ranges import AT_LEAST_ONE  # noqa: E402
 
 logger = get_logger("reshape")
 

@@ -39,8 +39,8 @@ from megatron3d.data.dataset_meta import (
     read_meta,
     write_meta,
 )
-from megatron3d.data.indexed_builder import IndexedDatasetBuilder, best_dtype, merge_datasets
 from megatron3d.data.indexed_dataset import data_file_path, index_file_path
+from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder, best_dtype, merge_datasets
 from megatron3d.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer
 from megatron3d.errors import ConfigError, DataError
 from megatron3d.log import get_logger

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from megatron3d.checkpoint import io
-from megatron3d.checkpoint.contents import check_contents, model_tensors, saved_kinds
 from megatron3d.checkpoint.reader import CheckpointReader
-from megatron3d.checkpoint.standalone import saved_config
-from megatron3d.checkpoint.streaming import logical_tensors
 from megatron3d.config import ModelConfig
+from megatron3d.convert.contents import check_contents, model_tensors, saved_kinds
+from megatron3d.convert.standalone import saved_config
+from megatron3d.convert.streaming import logical_tensors
 
 
 def summary(reader: CheckpointReader) -> list[str]:

@@ -37,7 +37,7 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     def as_meta(self) -> dict[str, int]:
-        """As ``meta.json`` and rank files record it (``manager.layout``)."""
+        """As ``meta.json`` and rank files record it (``saving.layout``)."""
         return {"world_size": self.world_size, "tp": self.tp, "pp": self.pp, "dp": self.dp,
                 "zero_stage": self.zero_stage}
 

@@ -17,8 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
+from megatron3d.config.ranges import Range
 from megatron3d.errors import ConfigError, Megatron3dError, TrainingError
-from megatron3d.ranges import Range
 
 COMMAND_LINE = "on the command line"
 

@@ -24,8 +24,8 @@ from types import ModuleType
 
 import torch
 
-from megatron3d.checkpoint.standalone import LoadedModel, tokenizer_spec
 from megatron3d.config import ModelConfig, TrainConfig
+from megatron3d.convert.standalone import LoadedModel, tokenizer_spec
 from megatron3d.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer
 from megatron3d.errors import ConfigError
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from megatron3d.config import TrainConfig
 from megatron3d.log import get_logger
 from megatron3d.mpu.state import ParallelState
-from megatron3d.training.failure_board import PEER_EXIT_CODE, FailureBoard
-from megatron3d.training.flight_recorder import FlightRecorder
-from megatron3d.training.hang_dump import dump_path, write_dump
+from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
+from megatron3d.resilience.flight_recorder import FlightRecorder
+from megatron3d.resilience.hang_dump import dump_path, write_dump
 
 logger = get_logger(__name__)
 

@@ -30,17 +30,11 @@ import torch
 
 from megatron3d.checkpoint import chunk_index, io, safety
 from megatron3d.checkpoint.chunks import new_chunk, tp_slice
-from megatron3d.checkpoint.contents import (
-    Layout,
-    Owned,
-    check_contents,
-    saved_kinds,
-    stage_params,
-)
 from megatron3d.checkpoint.reader import CheckpointReader
-from megatron3d.checkpoint.standalone import saved_config
-from megatron3d.checkpoint.streaming import logical_tensors
 from megatron3d.config import ModelConfig
+from megatron3d.convert.contents import Layout, Owned, check_contents, saved_kinds, stage_params
+from megatron3d.convert.standalone import saved_config
+from megatron3d.convert.streaming import logical_tensors
 from megatron3d.errors import ConfigError
 from megatron3d.mpu.meta import ParamMeta
 from megatron3d.mpu.topology import Topology

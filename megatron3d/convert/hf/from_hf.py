@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from megatron3d.checkpoint import hf
-from megatron3d.checkpoint.contents import Layout, model_tensors, stage_params
-from megatron3d.checkpoint.offline import write_checkpoint
 from megatron3d.config import ModelConfig, ParallelConfig, TrainConfig, TrainingConfig
+from megatron3d.convert.contents import Layout, model_tensors, stage_params
+from megatron3d.convert.hf import mapping
+from megatron3d.convert.offline import write_checkpoint
 from megatron3d.errors import CheckpointError, ConfigError
 
 
@@ -127,13 +127,13 @@ def import_hf(hf_dir: str, save: str, tp: int, pp: int,
     """The checkpoint written and the most tensor bytes it held at once (one layer's).
     The config, the layout, the output and every weight file are checked first."""
     directory = Path(hf_dir)
-    model = ModelConfig(**hf.model_fields(read_config(directory), seq_length))
-    hf.flavour_of(model)
+    model = ModelConfig(**mapping.model_fields(read_config(directory), seq_length))
+    mapping.flavour_of(model)
     stage_params(model, Layout(tp, pp, 1, 0), ParallelConfig().pp_partition_method)  # checks
     get = weights(directory)
     cfg = TrainConfig(model=model, training=TrainingConfig(),
                       parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                               pipeline_model_parallel_size=pp))
-    pieces = [hf.from_hf(model, names, get)
-              for names in hf.pieces_by_layer([t.meta.name for t in model_tensors(model)])]
+    pieces = [mapping.from_hf(model, names, get)
+              for names in mapping.pieces_by_layer([t.meta.name for t in model_tensors(model)])]
     return write_checkpoint(Path(save), cfg, pieces)

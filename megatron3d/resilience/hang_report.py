@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron3d.training.flight_recorder import P2P_KINDS
-from megatron3d.training.hang_dump import format_op, read_dump
+from megatron3d.resilience.flight_recorder import P2P_KINDS
+from megatron3d.resilience.hang_dump import format_op, read_dump
 
 Dump = dict[str, Any]
 

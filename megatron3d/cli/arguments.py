@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron3d import compat
-from megatron3d.cli import COMMAND_LINE, OneLineParser
+from megatron3d.cli import compat
+from megatron3d.cli.common import COMMAND_LINE, OneLineParser
 from megatron3d.config import SECTIONS, Range, TrainConfig, flat_fields
 from megatron3d.errors import ConfigError
 

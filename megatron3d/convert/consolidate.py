@@ -24,10 +24,10 @@ from typing import Any, BinaryIO
 
 import torch
 
-from megatron3d.checkpoint.contents import check_contents, model_tensors
 from megatron3d.checkpoint.reader import CheckpointReader
-from megatron3d.checkpoint.standalone import saved_config
-from megatron3d.checkpoint.streaming import logical_tensors
+from megatron3d.convert.contents import check_contents, model_tensors
+from megatron3d.convert.standalone import saved_config
+from megatron3d.convert.streaming import logical_tensors
 from megatron3d.errors import CheckpointError, ConfigError
 
 _ALIGN = 8  # the header is padded so that the data starts 8-byte aligned

@@ -5,7 +5,7 @@ What a checkpoint holds: the fp32 weights and Adam moments as layout-free chunks
 fix the data position, batch size and learning rate), the resolved learning-rate schedule,
 every rank's RNG states, the full configuration and the layout it was saved with. A save
 blocks until the checkpoint is published, or with --async-save only until the state is in
-host memory (``background.py`` writes and publishes it while training goes on).
+host memory (``async_save.py`` writes and publishes it while training goes on).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from megatron3d.checkpoint import chunk_index, io
-from megatron3d.checkpoint.background import BackgroundSave
+from megatron3d.checkpoint.async_save import BackgroundSave
 from megatron3d.checkpoint.chunks import KINDS, make_chunks
 from megatron3d.config import TrainConfig
 from megatron3d.errors import TrainingError
