@@ -21,8 +21,8 @@ backward (its gradient for the bf16 logits included, the logits themselves not),
 vocabulary, as a multiple of one rank's logits in fp32, next to torch's ``F.cross_entropy``
 on ``logits.float()`` at TP=1 (``training.activation_memory.PeakMemory``).
 
-    python benchmarks/activation_memory.py
-    python benchmarks/activation_memory.py --tp 1 2 4 8 --hidden 512 --heads 16 --seq 256
+    python -m benchmarks.activation_memory
+    python -m benchmarks.activation_memory --tp 1 2 4 8 --hidden 512 --heads 16 --seq 256
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import add_model_args, spawn  # noqa: E402
-from megatron3d import device as devices  # noqa: E402
+from benchmarks.common import add_model_args, spawn
+from megatron3d import device as devices
 from megatron3d.accounting.activations import (
     PeakMemory,
     cross_entropy_peak,
@@ -46,8 +43,8 @@ from megatron3d.accounting.activations import (
     measured_layer_bytes,
     paper_layer_bytes,
 )
-from megatron3d.config import ModelConfig  # noqa: E402
-from megatron3d.mpu.state import AxisGroup, ParallelState  # noqa: E402
+from megatron3d.config import ModelConfig
+from megatron3d.mpu.state import AxisGroup, ParallelState
 
 RECOMPUTE = (None, "selective", "full")
 DTYPE = torch.bfloat16

@@ -33,8 +33,8 @@ not the disk; the save includes fsync. Up to eight ranks on a machine with fewer
 them, so time ratios between rank counts are indicative only; the sizes do not depend on the
 machine.
 
-    python benchmarks/checkpoint.py
-    python benchmarks/checkpoint.py --hidden 256 1024 --layers 8 --dir /fast/scratch
+    python -m benchmarks.checkpoint
+    python -m benchmarks.checkpoint --hidden 256 1024 --layers 8 --dir /fast/scratch
 """
 
 from __future__ import annotations
@@ -55,16 +55,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import spawn  # noqa: E402
-from megatron3d import device as devices  # noqa: E402
-from megatron3d.checkpoint import loading  # noqa: E402
-from megatron3d.cli.arguments import parse_args  # noqa: E402
-from megatron3d.mpu.state import ParallelState  # noqa: E402
-from megatron3d.training.build import build_trainer  # noqa: E402
-from megatron3d.training.loop import Trainer  # noqa: E402
-from megatron3d.validation import validate  # noqa: E402
+from benchmarks.common import spawn
+from megatron3d import device as devices
+from megatron3d.checkpoint import loading
+from megatron3d.cli.arguments import parse_args
+from megatron3d.mpu.state import ParallelState
+from megatron3d.training.build import build_trainer
+from megatron3d.training.loop import Trainer
+from megatron3d.validation import validate
 
 MIB = 1024 * 1024
 _LIBC = ctypes.CDLL(None)

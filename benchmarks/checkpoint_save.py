@@ -21,8 +21,8 @@ agreement (one all-reduce) as a run with ``--save``; no run evaluates. Checkpoin
 the machine's cores with the writer threads, so on a CPU machine the background write
 competes with training for the same cores; with GPUs it competes only for host cores.
 
-    python benchmarks/checkpoint_save.py
-    python benchmarks/checkpoint_save.py --hidden 768 --saves 5 --dir /fast/scratch
+    python -m benchmarks.checkpoint_save
+    python -m benchmarks.checkpoint_save --hidden 768 --saves 5 --dir /fast/scratch
 """
 
 from __future__ import annotations
@@ -38,16 +38,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import add_model_args, spawn  # noqa: E402
-from megatron3d import device as devices  # noqa: E402
-from megatron3d.checkpoint import io  # noqa: E402
-from megatron3d.cli.arguments import parse_args  # noqa: E402
-from megatron3d.mpu.state import ParallelState  # noqa: E402
-from megatron3d.training.build import build_trainer  # noqa: E402
-from megatron3d.training.loop import Progress  # noqa: E402
-from megatron3d.validation import validate  # noqa: E402
+from benchmarks.common import add_model_args, spawn
+from megatron3d import device as devices
+from megatron3d.checkpoint import io
+from megatron3d.cli.arguments import parse_args
+from megatron3d.mpu.state import ParallelState
+from megatron3d.training.build import build_trainer
+from megatron3d.training.loop import Progress
+from megatron3d.validation import validate
 
 MODES = ("no save", "blocking", "async")
 LAYOUTS = {"1 rank": 1, "DP=2 ZeRO-1": 2}  # name -> world size

@@ -23,8 +23,8 @@ The kernel's high-water mark (``VmHWM``) is reset through ``/proc/self/clear_ref
 without it the lifetime peak from ``resource.getrusage`` is used and the header says so.
 Ratios are to TP=1 of the same mode, measured in the same invocation.
 
-    python benchmarks/init.py
-    python benchmarks/init.py --vocab 50304 --hidden 1024 --layers 8
+    python -m benchmarks.init
+    python -m benchmarks.init --vocab 50304 --hidden 1024 --layers 8
 """
 
 from __future__ import annotations
@@ -43,15 +43,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import add_model_args, spawn  # noqa: E402
-from megatron3d import device as devices  # noqa: E402
-from megatron3d.checkpoint import loading  # noqa: E402
-from megatron3d.cli.arguments import parse_args  # noqa: E402
-from megatron3d.mpu.state import ParallelState  # noqa: E402
-from megatron3d.training import build  # noqa: E402
-from megatron3d.validation import validate  # noqa: E402
+from benchmarks.common import add_model_args, spawn
+from megatron3d import device as devices
+from megatron3d.checkpoint import loading
+from megatron3d.cli.arguments import parse_args
+from megatron3d.mpu.state import ParallelState
+from megatron3d.training import build
+from megatron3d.validation import validate
 
 MIB = 1024 * 1024
 MODES = ("draw", "load")

@@ -14,8 +14,8 @@ collectives exist to record) alternates short blocks of steps without and with t
 prints the ratio of median step times plus the recorder's measured cost per operation times
 the operations per step. Target: under 1%.
 
-    python benchmarks/overhead.py                  # CPU-sized model
-    python benchmarks/overhead.py --hidden 1024 --layers 8 --seq 1024 --bf16   # on a GPU
+    python -m benchmarks.overhead                  # CPU-sized model
+    python -m benchmarks.overhead --hidden 1024 --layers 8 --seq 1024 --bf16   # on a GPU
 """
 
 from __future__ import annotations
@@ -26,26 +26,23 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import add_model_args, spawn  # noqa: E402
-from megatron3d import device as devices  # noqa: E402
-from megatron3d.cli.arguments import parse_args  # noqa: E402
-from megatron3d.model.context import LayerContext  # noqa: E402
-from megatron3d.model.gpt import build_gpt  # noqa: E402
-from megatron3d.mpu import traffic  # noqa: E402
-from megatron3d.mpu.meta import get_meta  # noqa: E402
-from megatron3d.mpu.state import AxisGroup, ParallelState  # noqa: E402
-from megatron3d.resilience.flight_recorder import FlightRecorder  # noqa: E402
-from megatron3d.resilience.watchdog import Watchdog  # noqa: E402
-from megatron3d.training.build import build_trainer  # noqa: E402
-from megatron3d.training.step import train_step  # noqa: E402
-from megatron3d.validation import validate  # noqa: E402
+from benchmarks.common import add_model_args, spawn
+from megatron3d import device as devices
+from megatron3d.cli.arguments import parse_args
+from megatron3d.model.context import LayerContext
+from megatron3d.model.gpt import build_gpt
+from megatron3d.mpu import traffic
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.state import AxisGroup, ParallelState
+from megatron3d.resilience.flight_recorder import FlightRecorder
+from megatron3d.resilience.watchdog import Watchdog
+from megatron3d.training.build import build_trainer
+from megatron3d.training.step import train_step
+from megatron3d.validation import validate
 
 
 def _args() -> argparse.Namespace:

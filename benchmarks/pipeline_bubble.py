@@ -33,8 +33,8 @@ include time the OS gave to another process: the figures are indicative only the
 ``cpu/wall`` column (thread CPU time / wall time inside Forward and Backward) shows how much.
 One PNG timeline per (PP, m) is written to ``--out`` (rows = stages, top = stage 0).
 
-    python benchmarks/pipeline_bubble.py
-    python benchmarks/pipeline_bubble.py --pp 2 4 8 --hidden 256 --steps 10 --out /tmp/bubble
+    python -m benchmarks.pipeline_bubble
+    python -m benchmarks.pipeline_bubble --pp 2 4 8 --hidden 256 --steps 10 --out /tmp/bubble
 """
 
 from __future__ import annotations
@@ -52,20 +52,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import add_model_args, spawn  # noqa: E402
-from benchmarks.png import Canvas, Color  # noqa: E402
-from megatron3d import device as devices  # noqa: E402
-from megatron3d.cli.arguments import parse_args  # noqa: E402
-from megatron3d.mpu.state import ParallelState  # noqa: E402
-from megatron3d.pipeline.engine import Batch, PipelineEngine  # noqa: E402
-from megatron3d.pipeline.instructions import Backward, Forward  # noqa: E402
-from megatron3d.pipeline.interleaved import interleaved_1f1b  # noqa: E402
-from megatron3d.pipeline.schedule import schedule_for  # noqa: E402
-from megatron3d.pipeline.simulate import simulate  # noqa: E402
-from megatron3d.training.build import build_trainer  # noqa: E402
-from megatron3d.validation import validate  # noqa: E402
+from benchmarks.common import add_model_args, spawn
+from benchmarks.png import Canvas, Color
+from megatron3d import device as devices
+from megatron3d.cli.arguments import parse_args
+from megatron3d.mpu.state import ParallelState
+from megatron3d.pipeline.engine import Batch, PipelineEngine
+from megatron3d.pipeline.instructions import Backward, Forward
+from megatron3d.pipeline.interleaved import interleaved_1f1b
+from megatron3d.pipeline.schedule import schedule_for
+from megatron3d.pipeline.simulate import simulate
+from megatron3d.training.build import build_trainer
+from megatron3d.validation import validate
 
 Trace = dict[str, Any]  # one rank, one step: t0 (absolute), events, fb_end, step_end (from t0)
 SHORT = {"InputEmbedding": "emb", "InputNorm": "emb-norm", "TransformerLayer": "block",

@@ -7,8 +7,8 @@
    10^7 documents: wall time and peak memory, in a fresh child process so its peak RSS is
    its own. Targets: under 10 s and under 2 GiB.
 
-    python benchmarks/preprocess.py                      # 20 MB corpus, N = all cores
-    python benchmarks/preprocess.py --corpus-mb 100 --workers 8 --documents 10000000
+    python -m benchmarks.preprocess                      # 20 MB corpus, N = all cores
+    python -m benchmarks.preprocess --corpus-mb 100 --workers 8 --documents 10000000
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron3d.data.indexed_dataset import IndexedDataset  # noqa: E402
-from megatron3d.data.prep.preprocess import PreprocessJob, preprocess  # noqa: E402
-from megatron3d.data.prep.tokenizer_training import train_sentencepiece  # noqa: E402
-from megatron3d.data.sample_index import build_sample_index, num_epochs_for  # noqa: E402
-from megatron3d.data.tokenizer import TokenizerSpec  # noqa: E402
+from megatron3d.data.indexed_dataset import IndexedDataset
+from megatron3d.data.prep.preprocess import PreprocessJob, preprocess
+from megatron3d.data.prep.tokenizer_training import train_sentencepiece
+from megatron3d.data.sample_index import build_sample_index, num_epochs_for
+from megatron3d.data.tokenizer import TokenizerSpec
 
 
 def _args() -> argparse.Namespace:

@@ -18,8 +18,8 @@ layer by layer and gradient hooks on each layer's output mark where backward is,
 collective is filed under the layer that issued it. Bytes are what each rank contributes
 (its input tensor); "wire" estimates what a ring algorithm sends per rank.
 
-    python benchmarks/tp_comm.py
-    python benchmarks/tp_comm.py --layers 8 --hidden 512 --tp 2 4 8
+    python -m benchmarks.tp_comm
+    python -m benchmarks.tp_comm --layers 8 --hidden 512 --tp 2 4 8
 """
 
 from __future__ import annotations
@@ -29,23 +29,20 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import add_model_args, spawn  # noqa: E402
-from megatron3d import device as devices  # noqa: E402
-from megatron3d.config import ModelConfig  # noqa: E402
-from megatron3d.data.mock import MockGPTDataset  # noqa: E402
-from megatron3d.data.sampler import micro_batches  # noqa: E402
-from megatron3d.model.context import LayerContext  # noqa: E402
-from megatron3d.model.gpt import build_gpt, lm_loss  # noqa: E402
-from megatron3d.mpu import comm, traffic  # noqa: E402
-from megatron3d.mpu.meta import get_meta  # noqa: E402
-from megatron3d.mpu.random import RNGStreams  # noqa: E402
-from megatron3d.mpu.state import ParallelState  # noqa: E402
+from benchmarks.common import add_model_args, spawn
+from megatron3d import device as devices
+from megatron3d.config import ModelConfig
+from megatron3d.data.mock import MockGPTDataset
+from megatron3d.data.sampler import micro_batches
+from megatron3d.model.context import LayerContext
+from megatron3d.model.gpt import build_gpt, lm_loss
+from megatron3d.mpu import comm, traffic
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.random import RNGStreams
+from megatron3d.mpu.state import ParallelState
 
 BLOCKS, EMBED, HEAD, LOSS, SYNC = ("transformer blocks", "embedding", "LM head",
                                    "cross-entropy", "SP grad sync")

@@ -33,8 +33,8 @@ the namespace at the end. That is where prefetching gathers can hide transfer ti
 Everything runs on the CPU with gloo: the DP processes share a few cores, so the timings are
 indicative only; byte counts and memory do not depend on the machine.
 
-    python benchmarks/zero.py
-    python benchmarks/zero.py --limit-gbit 2
+    python -m benchmarks.zero
+    python -m benchmarks.zero --limit-gbit 2
 """
 
 from __future__ import annotations
@@ -48,11 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import netns  # noqa: E402
-from benchmarks.common import add_model_args, spawn  # noqa: E402
-from benchmarks.zero_runs import (  # noqa: E402
+from benchmarks import netns
+from benchmarks.common import add_model_args, spawn
+from benchmarks.zero_runs import (
     BASELINE,
     M3D_BF16,
     M3D_FP32,

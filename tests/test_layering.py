@@ -51,6 +51,10 @@ ALLOWED: dict[str, set[str]] = {
     # its numbers are the start-up check's
     "planner": {"accounting", "validation", "optim", "pipeline", "model", "mpu", "config",
                 "errors"},
+    # the command-line tools (tools/*.py and the console scripts run them): entry points, like
+    # pretrain_gpt.py
+    "tools": {"training", "planner", "inference", "convert", "resilience", "accounting",
+              "checkpoint", "data", "optim", "mpu", "cli", "config", "errors", "log"},
 }
 
 
@@ -87,9 +91,9 @@ def test_imports_respect_layers(path):
     assert not illegal, f"{path.name} ({part}) imports {sorted(illegal)}"
 
 
-def test_nothing_in_the_package_imports_training():
-    """The run is the top floor: only entry points (pretrain_gpt.py, tools) import it."""
-    assert [part for part, allowed in ALLOWED.items() if "training" in allowed] == []
+def test_only_entry_points_import_training():
+    """The run is the top floor: only entry points (pretrain_gpt.py, the tools) import it."""
+    assert [part for part, allowed in ALLOWED.items() if "training" in allowed] == ["tools"]
 
 
 def test_no_module_over_400_lines():

@@ -1,10 +1,10 @@
-"""The command-line tools in tools/ as modules, so tests call their ``main(argv)`` in-process
-(fast, and the exit code and output are the tool's own)."""
+"""The command-line tools (``megatron3d/tools/``, run by ``tools/*.py``) as modules, so tests
+call their ``main(argv)`` in-process (fast, and the exit code and output are the tool's own)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +14,9 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def load_tool(relative: str) -> ModuleType:
-    """``tools/<relative>`` (e.g. ``checkpoint/export_hf.py``) imported once per call."""
-    path = TOOLS / relative
-    spec = importlib.util.spec_from_file_location(f"tool_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module ``tools/<relative>`` (e.g. ``checkpoint/export_hf.py``) runs."""
+    assert (TOOLS / relative).is_file(), f"no tools/{relative}"
+    return importlib.import_module(f"megatron3d.tools.{Path(relative).stem}")
 
 
 @contextlib.contextmanager

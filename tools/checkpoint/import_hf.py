@@ -1,52 +1,6 @@
-"""Import a Hugging Face transformers model (GPT-2, BLOOM, Llama with grouped-query attention)
-as a megatron3d checkpoint to continue pre-training.
-
-    python tools/checkpoint/import_hf.py --hf hf/my-model --save ckpt \
-        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-    torchrun ... pretrain_gpt.py --load ckpt --save ckpt --use-checkpoint-args ...
-
-The checkpoint is iteration 0 (weights in fp32; Adam starts fresh) and loads at any layout;
-the layout given here is checked against the model before anything is written.
-"""
-
-from __future__ import annotations
-
-import sys
-from collections.abc import Sequence
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from megatron3d.cli.common import OneLineParser, add_int, run_tool  # noqa: E402
-from megatron3d.config.ranges import AT_LEAST_ONE, SIZE  # noqa: E402
-from megatron3d.convert.hf.from_hf import import_hf  # noqa: E402
-from megatron3d.convert.streaming import PeakMemory, peak_text, size_text  # noqa: E402
-from megatron3d.log import get_logger, setup_logging  # noqa: E402
-
-logger = get_logger("import_hf")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_tool(_run, argv)
-
-
-def _run(argv: Sequence[str] | None) -> int:
-    p = OneLineParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hf", required=True, help="Hugging Face model directory")
-    p.add_argument("--save", required=True, help="new checkpoint directory")
-    add_int(p, "--tensor-model-parallel-size", AT_LEAST_ONE, "layout to check", default=1)
-    add_int(p, "--pipeline-model-parallel-size", AT_LEAST_ONE, "layout to check", default=1)
-    add_int(p, "--seq-length", SIZE, "training sequence length; default the model's "
-            "max_position_embeddings (2048 for BLOOM)")
-    args = p.parse(argv)
-    setup_logging(0, 0)
-    peak = PeakMemory()
-    written, layer = import_hf(args.hf, args.save, args.tensor_model_parallel_size,
-                               args.pipeline_model_parallel_size, args.seq_length)
-    logger.info("wrote %s: train it with pretrain_gpt.py --load %s --use-checkpoint-args; %s",
-                written, args.save, peak_text(peak.growth, f"largest layer {size_text(layer)}"))
-    return 0
-
+"""Runs ``megatron3d.tools.import_hf``; installed, it is also the command
+``megatron3d-import-hf``."""
+from megatron3d.tools.import_hf import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
