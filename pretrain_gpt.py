@@ -29,8 +29,9 @@ from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.resilience.flight_recorder import FlightRecorder
 from megatron3d.resilience.watchdog import Watchdog
-from megatron3d.training.build import build_trainer, run_length, valid_samples
+from megatron3d.training.build import Overrides, build_trainer, run_length, valid_samples
 from megatron3d.training.data_setup import dry_run
+from megatron3d.training.loop import Hooks
 from megatron3d.validation import validate
 
 logger = get_logger("pretrain_gpt")
@@ -88,10 +89,8 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
         logger.info(format_config(cfg, state.world_size))
         logger.info(state.topology.table())
         logger.info("device: %s", devices.describe(dev))
-        trainer = build_trainer(cfg, state, dev, started)
-        trainer.engine.observers.append(watchdog.recorder)
-        trainer.heartbeat = watchdog
-        trainer.run()
+        overrides = Overrides(hooks=Hooks(heartbeat=watchdog), observers=(watchdog.recorder,))
+        build_trainer(cfg, state, dev, started, overrides).run()
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         sys.stderr.flush()

@@ -173,7 +173,7 @@ def _one_size(a: argparse.Namespace, hidden: int, layout: Layout, state: Paralle
     directory = root / f"hidden_{hidden}"
     argv = _argv(a, hidden, layout, directory)
     trainer, _ = _build(argv, state)
-    params = sum(p.numel() for p in trainer.engine.stage.parameters())
+    params = sum(p.numel() for p in trainer.model.engine.stage.parameters())
     dist.barrier()
     with PeakRSS() as save_mem:
         start = time.perf_counter()
@@ -251,7 +251,7 @@ def _load_changed(a: argparse.Namespace, layout: Layout,
     state = ParallelState.build(layout.tp, layout.pp)
     argv = _argv(a, a.hidden[-1], layout, Path(directory))
     trainer, _, load_s, peak, opened = _load(argv, Path(directory), state)
-    return load_s, peak, 12 * trainer.optimizer.shard.numel, opened
+    return load_s, peak, 12 * trainer.model.optimizer.shard.numel, opened
 
 
 def _changes_table(a: argparse.Namespace, root: str) -> list[str]:

@@ -41,10 +41,11 @@ import torch
 from benchmarks.common import add_model_args, spawn
 from megatron3d import device as devices
 from megatron3d.checkpoint import io
+from megatron3d.checkpoint.progress import Progress
 from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.state import ParallelState
-from megatron3d.training.build import build_trainer
-from megatron3d.training.loop import Progress
+from megatron3d.training.build import Overrides, build_trainer
+from megatron3d.training.loop import Hooks
 from megatron3d.validation import validate
 
 MODES = ("no save", "blocking", "async")
@@ -85,11 +86,16 @@ def _run(a: argparse.Namespace, world: int, mode: str, root: str) -> dict[str, A
     """One rank of one run: the end time of each step, the save calls and the writes."""
     cfg = parse_args(_argv(a, world, mode, f"{root}/{mode}"))
     validate(cfg, world)
-    trainer = build_trainer(cfg, ParallelState.build(1, 1), torch.device("cpu"))
     ends: dict[int, float] = {}
-    trainer.on_step = lambda it, _: ends.__setitem__(it, time.perf_counter())
-    saver = None if trainer.save is None else _TimedSaver(trainer.save)
-    trainer.save = saver
+    timed: list[_TimedSaver] = []
+
+    def timed_saver(saver: Any) -> _TimedSaver | None:
+        timed.extend([] if saver is None else [_TimedSaver(saver)])
+        return timed[0] if timed else None
+
+    trainer = build_trainer(cfg, ParallelState.build(1, 1), torch.device("cpu"),
+                            overrides=Overrides(save=timed_saver, hooks=Hooks(
+                                on_step=lambda it, _: ends.__setitem__(it, time.perf_counter()))))
     real, writes, sizes = io.write_rank, [], []
 
     def timed_write(directory: Path, rank: int, payload: dict[str, Any]) -> None:
@@ -103,7 +109,7 @@ def _run(a: argparse.Namespace, world: int, mode: str, root: str) -> dict[str, A
         trainer.run()
     finally:
         io.write_rank = real
-    return {"ends": ends, "calls": saver.calls if saver else [], "writes": writes,
+    return {"ends": ends, "calls": timed[0].calls if timed else [], "writes": writes,
             "bytes": sizes, "machine": devices.describe(torch.device("cpu"))}
 
 

@@ -143,7 +143,7 @@ def _measure(a: argparse.Namespace, tp: int, mode: str, directory: str) -> tuple
         raise RuntimeError(f"build_trainer did not load a checkpoint from {directory}")
     if mode == "draw" and tp == 1:
         trainer.save(trainer.progress)
-    params = sum(p.numel() for p in trainer.engine.stage.parameters())
+    params = sum(p.numel() for p in trainer.model.engine.stage.parameters())
     measured = Measured(params, timed["model"], timed["model_cpu"],
                         int(timed["model_peak_after"]), int(timed.get("load_peak_before", whole)),
                         timed.get("load", 0.0), whole if mode == "load" else 0)

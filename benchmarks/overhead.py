@@ -87,27 +87,27 @@ def _with_and_without_recorder(a: argparse.Namespace) -> dict[str, float]:
     cfg = parse_args(_argv(a, dp=state.dp.size, pp=2))
     validate(cfg, state.world_size)
     trainer = build_trainer(cfg, state, devices.device())
-    batches = trainer.train_batches(0, trainer.batch_schedule.global_batch_size_at(0))
+    batches = trainer.data.train(0, trainer.batch_schedule.global_batch_size_at(0))
     recorder = FlightRecorder(cfg.resilience.flight_recorder_size)
     times: dict[str, list[float]] = {"off": [], "on": []}
 
     def step() -> float:
         start = time.perf_counter()
-        train_step(trainer.engine, trainer.optimizer, batches, 1e-4, trainer.grad_sync,
-                   trainer.dp)
+        model = trainer.model
+        train_step(model.engine, model.optimizer, batches, 1e-4, model.grad_sync, model.dp)
         return time.perf_counter() - start
 
     def recorded_steps(tmp: str, block: int) -> list[float]:
         in_tmp = dataclasses.replace(cfg.resilience, hang_dump_dir=tmp)
         watchdog = Watchdog.for_run(dataclasses.replace(cfg, resilience=in_tmp), state,
                                     recorder).start()
-        trainer.engine.observers.append(recorder)
+        trainer.model.engine.observers.append(recorder)
         with traffic.observing(recorder):
             result = []
             for i in range(2):
                 result.append(step())
                 watchdog.beat(block * 2 + i)
-        trainer.engine.observers.remove(recorder)
+        trainer.model.engine.observers.remove(recorder)
         watchdog.stop()
         return result
 
@@ -150,7 +150,7 @@ def main() -> None:
     cfg = parse_args(_argv(a))
     validate(cfg, 1)
     trainer = build_trainer(cfg, ParallelState.single(), dev)
-    dtype = trainer.engine.dtype
+    dtype = trainer.model.engine.dtype
     ctx = LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, dtype, dev)
     plain = build_gpt(ctx)  # identical weights: init depends only on seed and names
     decay = [p for p in plain.parameters() if not get_meta(p).no_weight_decay]
@@ -159,11 +159,11 @@ def main() -> None:
                                    {"params": no_decay, "weight_decay": 0.0}], lr=1e-4,
                                   foreach=dev.type == "cpu", fused=dev.type == "cuda")
     gbs = a.micro_batch * a.micro_batches
-    batches = trainer.train_batches(0, gbs)
+    batches = trainer.data.train(0, gbs)
 
     runs = {
-        "megatron3d": lambda: train_step(trainer.engine, trainer.optimizer, batches, 1e-4,
-                                         trainer.grad_sync, trainer.dp),
+        "megatron3d": lambda m=trainer.model: train_step(m.engine, m.optimizer, batches, 1e-4,
+                                                         m.grad_sync, m.dp),
         "plain": lambda: _plain_step(plain, plain_opt, batches, 1.0, 1e-4),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}

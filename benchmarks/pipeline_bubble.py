@@ -56,13 +56,15 @@ from benchmarks.common import add_model_args, spawn
 from benchmarks.png import Canvas, Color
 from megatron3d import device as devices
 from megatron3d.cli.arguments import parse_args
+from megatron3d.config import TrainConfig
 from megatron3d.mpu.state import ParallelState
 from megatron3d.pipeline.engine import Batch, PipelineEngine
 from megatron3d.pipeline.instructions import Backward, Forward
 from megatron3d.pipeline.interleaved import interleaved_1f1b
 from megatron3d.pipeline.schedule import schedule_for
 from megatron3d.pipeline.simulate import simulate
-from megatron3d.training.build import build_trainer
+from megatron3d.training.build import Overrides, build_trainer
+from megatron3d.training.loop import Hooks
 from megatron3d.validation import validate
 
 Trace = dict[str, Any]  # one rank, one step: t0 (absolute), events, fb_end, step_end (from t0)
@@ -82,6 +84,14 @@ class TimedEngine(PipelineEngine):
     traces: list[Trace]  # the kept steps, times relative to t0
     t0: float
     fb_end: float
+
+    @staticmethod
+    def instrument(engine: PipelineEngine) -> TimedEngine:
+        """The engine build_trainer made, timed."""
+        engine.__class__ = TimedEngine
+        assert isinstance(engine, TimedEngine)
+        engine.traces = []
+        return engine
 
     def forward_backward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.events = []
@@ -123,6 +133,17 @@ def _argv(a: argparse.Namespace, pp: int, m: int, v: int) -> list[str]:
             "--virtual-pipeline-model-parallel-size", str(v)]
 
 
+def _timed_run(cfg: TrainConfig, state: ParallelState, warmup: int) -> TimedEngine:
+    """Build the trainer pretrain_gpt.py runs, its engine timed, and run it (``train_step``
+    per iteration); the steps after ``warmup`` are kept."""
+    trainer = build_trainer(cfg, state, torch.device("cpu"), overrides=Overrides(
+        engine=TimedEngine.instrument,
+        hooks=Hooks(on_step=lambda it, _: engine.end_step(keep=it > warmup))))
+    engine = trainer.model.engine
+    trainer.run()
+    return engine
+
+
 def _measure(a: argparse.Namespace,
              pp: int) -> tuple[str, list[str], dict[tuple[int, int], list[Trace]]]:
     """One stage: the machine, its layers (1F1B), and its traces of the timed steps for each
@@ -132,12 +153,7 @@ def _measure(a: argparse.Namespace,
         for v in (1, *a.virtual):
             cfg = parse_args(_argv(a, pp, m, v))
             validate(cfg, pp)
-            trainer = build_trainer(cfg, state, torch.device("cpu"))
-            engine = trainer.engine
-            engine.__class__ = TimedEngine  # instrument the engine build_trainer made
-            engine.traces = []
-            trainer.on_step = lambda it, _, engine=engine: engine.end_step(keep=it > a.warmup)
-            trainer.run()  # what pretrain_gpt.py runs: train_step per iteration
+            engine = _timed_run(cfg, state, a.warmup)
             traces[m, v] = engine.traces
             if v == 1:
                 layers = [type(layer).__name__ for layer in engine.stage.layers]

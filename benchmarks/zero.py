@@ -22,7 +22,7 @@ FSDP2 by wrapping torch.distributed's entry points for that step; DDP's come fro
 reducer, which neither sees (n/a).
 
 Sanity (asserted): megatron3d ZeRO-0, ZeRO-1 and ZeRO-3 (fp32) give the same losses on every
-step within DESIGN's fp32 rtol; the torch losses and everyone's final parameters (read through
+step within the suite's fp32 rtol; the torch losses and everyone's final parameters (read through
 ``materialize`` / ``full_tensor``) are printed against ZeRO-0's.
 
 ``--limit-gbit R`` also runs everything again inside a network namespace whose loopback is a
@@ -62,7 +62,7 @@ from benchmarks.zero_runs import (
 )
 
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
-"""DESIGN.md section 3: fp32 runs that only reorder reductions agree within rtol 1e-5."""
+"""docs/ARCHITECTURE.md §5: fp32 runs that only reorder reductions agree within rtol 1e-5."""
 TARGET_VS_FSDP2, TARGET_VS_ZERO1 = 0.8, 1.15
 KINDS = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
 Measured = dict[int, tuple[str, list[dict[str, Result]]]]  # dp -> (machine, per rank)

@@ -75,7 +75,7 @@ class M3dRun:
                  bf16: bool) -> None:
         cfg = parse_args(_argv(a, state.dp.size, stage, depth, bf16))
         self.trainer: Trainer = build_trainer(cfg, state, torch.device("cpu"))
-        self.trainer.engine.stage.train()
+        self.trainer.model.engine.stage.train()
 
     def step(self, lr: float, batches: list) -> torch.Tensor:
         t = self.trainer
@@ -91,13 +91,13 @@ class M3dRun:
 
     def final_params(self) -> dict[str, torch.Tensor]:
         """Full values by name, unit by unit through ``materialize`` (ZeRO-3 keeps none)."""
-        name_of = {id(p): n for n, p in self.trainer.engine.stage.named_parameters()}
+        name_of = {id(p): n for n, p in self.trainer.model.engine.stage.named_parameters()}
         values: dict[str, torch.Tensor] = {}
 
         def read(params: list[nn.Parameter]) -> None:
             values.update({name_of[id(p)]: p.detach().clone() for p in params})
 
-        self.trainer.data_parallel.materialize(read)
+        self.trainer.model.data_parallel.materialize(read)
         return values
 
 

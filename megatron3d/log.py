@@ -1,4 +1,4 @@
-"""The only logging module: rank-aware logger setup, the Megatron iteration line, TensorBoard.
+"""The only logging module: rank-aware logger setup and the Megatron iteration line.
 
 Only one rank (the caller picks it; Megatron logs from the last pipeline stage, which holds the
 loss) prints INFO; every other rank prints WARNING and above, prefixed with its rank. INFO
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 _HANDLER_TAG = "_megatron3d_handler"
 EVERY_RANK = "megatron3d.every_rank"
@@ -132,52 +130,3 @@ def format_iteration_line(stats: IterationStats) -> str:
     if stats.mfu_percent is not None:
         fields.append(f" MFU: {stats.mfu_percent:.1f}% |")
     return "".join(fields)
-
-
-@dataclass(frozen=True)
-class Point:
-    """Where a TensorBoard scalar is plotted: the iteration, and the consumed samples and
-    tokens (Megatron's "vs samples" series, which stay comparable under a batch-size ramp)."""
-
-    iteration: int
-    samples: int
-    tokens: int
-
-
-class TensorBoardWriter:
-    """Scalars under Megatron's names; a no-op unless enabled and given a directory.
-
-    Enable it on the logging rank only. ``SummaryWriter`` is imported lazily so a run without
-    TensorBoard never needs the package.
-    """
-
-    def __init__(self, log_dir: str | None, enabled: bool) -> None:
-        self._writer: Any = None
-        if enabled and log_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=log_dir)
-
-    @property
-    def active(self) -> bool:
-        return self._writer is not None
-
-    def write(self, scalars: Mapping[str, float | None], at: Point) -> None:
-        """Each scalar (None: not measured, skipped) as three series: ``NAME`` vs the
-        iteration, ``NAME vs samples`` and ``NAME vs tokens``."""
-        if self._writer is None:
-            return
-        for name, value in scalars.items():
-            if value is not None:
-                self._writer.add_scalar(name, value, at.iteration)
-                self._writer.add_scalar(f"{name} vs samples", value, at.samples)
-                self._writer.add_scalar(f"{name} vs tokens", value, at.tokens)
-
-    def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None

@@ -1,4 +1,4 @@
-"""The package's layering (DESIGN.md §1), checked by parsing every module's imports."""
+"""The package's floors (docs/ARCHITECTURE.md §1), checked by parsing every module's imports."""
 
 from __future__ import annotations
 

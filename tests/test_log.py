@@ -8,14 +8,9 @@ import logging
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron3d.log import (
-    IterationStats,
-    Point,
-    TensorBoardWriter,
-    format_iteration_line,
-    get_logger,
-    setup_logging,
-)
+from megatron3d.checkpoint.progress import Progress
+from megatron3d.log import IterationStats, format_iteration_line, get_logger, setup_logging
+from megatron3d.training.tensorboard import TensorBoardWriter
 
 STATS = IterationStats(
     iteration=10, train_iters=100, consumed_samples=160, consumed_tokens=163840,
@@ -136,7 +131,7 @@ def test_tensorboard_scalars_round_trip_vs_iterations_samples_and_tokens(tmp_pat
     writer = TensorBoardWriter(str(tmp_path), enabled=True)
     for step, loss in [(10, 6.5), (20, 5.25), (30, 4.0)]:
         writer.write({"lm loss": loss, "batch-size": 16, "grad-norm": None},
-                     Point(step, step * 16, step * 16 * 1024))
+                     Progress(step, step * 16, step * 16 * 1024))
     writer.flush()
     writer.close()
     events = scalars(tmp_path)
@@ -156,7 +151,7 @@ def test_disabled_writer_is_a_no_op(tmp_path, enabled, with_dir):
     log_dir = tmp_path / "tb"
     writer = TensorBoardWriter(str(log_dir) if with_dir else None, enabled=enabled)
     assert not writer.active
-    writer.write({"lm loss": 1.0}, Point(1, 1, 1))
+    writer.write({"lm loss": 1.0}, Progress(1, 1, 1))
     writer.flush()
     writer.close()
     assert not log_dir.exists()

@@ -17,8 +17,8 @@ from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState
-from megatron3d.training.build import build_trainer
-from megatron3d.training.loop import Trainer
+from megatron3d.training.build import Overrides, build_trainer
+from megatron3d.training.loop import Hooks, Trainer
 from megatron3d.training.step import StepResult
 from megatron3d.validation import validate
 
@@ -52,7 +52,7 @@ def initial_weights(trainer: Trainer, state: ParallelState) -> dict[str, torch.T
     def grab(group: list) -> None:
         weights.update((get_meta(p).name, gather_logical(p, state.tp).clone()) for p in group)
 
-    trainer.data_parallel.materialize(grab)
+    trainer.model.data_parallel.materialize(grab)
     return weights
 
 
@@ -63,9 +63,6 @@ def main() -> None:
     cfg = parse_args(megatron3d_argv(inputs.cfg, inputs.row))
     validate(cfg, env.world_size)
     state = ParallelState.build(inputs.row.tp, inputs.row.pp)
-    trainer = build_trainer(cfg, state, torch.device("cpu"))
-    if inputs.row == REFERENCE:
-        torch.save(initial_weights(trainer, state), inputs.weights)
     losses: list[torch.Tensor] = []
     clock = inputs.clock(env.rank)
 
@@ -73,7 +70,10 @@ def main() -> None:
         losses.append(result.loss)
         clock.tick()
 
-    trainer.on_step = on_step
+    trainer = build_trainer(cfg, state, torch.device("cpu"),
+                            overrides=Overrides(hooks=Hooks(on_step=on_step)))
+    if inputs.row == REFERENCE:
+        torch.save(initial_weights(trainer, state), inputs.weights)
     torch.distributed.barrier()
     clock.start()
     trainer.run()

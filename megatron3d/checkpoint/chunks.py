@@ -29,6 +29,7 @@ from torch import nn
 
 from megatron3d.errors import CheckpointError
 from megatron3d.mpu.meta import ParamMeta, get_meta
+from megatron3d.mpu.replicas import counted_once
 from megatron3d.mpu.sharding import tp_shard, tp_unshard
 from megatron3d.mpu.state import ParallelState
 from megatron3d.zero.shard import Shard
@@ -38,12 +39,7 @@ KINDS = ("weight", "exp_avg", "exp_avg_sq")
 
 def owns(param: nn.Parameter, state: ParallelState, zero_stage: int) -> bool:
     """Whether this rank writes ``param``'s chunks (each logical element exactly once)."""
-    meta = get_meta(param)
-    if meta.tied_key is not None and not state.is_first_stage:
-        return False
-    if meta.tp_split_dim is None and state.tp.rank != 0:
-        return False
-    return zero_stage > 0 or state.dp.rank == 0
+    return counted_once(state, param) and (zero_stage > 0 or state.dp.rank == 0)
 
 
 def owned_parts(params: list[nn.Parameter], shard: Shard, state: ParallelState,

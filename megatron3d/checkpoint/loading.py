@@ -22,8 +22,9 @@ from torch import nn
 
 from megatron3d.checkpoint import io, shard_reader
 from megatron3d.checkpoint.chunks import KINDS
+from megatron3d.checkpoint.progress import Progress, new_series
 from megatron3d.checkpoint.reader import find
-from megatron3d.checkpoint.saving import Progress, layout
+from megatron3d.checkpoint.saving import layout
 from megatron3d.config import ModelConfig, TrainConfig
 from megatron3d.errors import CheckpointError, ConfigError
 from megatron3d.log import get_logger
@@ -77,10 +78,12 @@ def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
 
 
 def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-         optimizer: MixedPrecisionOptimizer, rng: RNGStreams, weights_only: bool) -> Progress:
+         optimizer: MixedPrecisionOptimizer, rng: RNGStreams,
+         weights_only: bool) -> tuple[Progress, str]:
     """Install the checkpoint into this rank's parameters and optimizer shard (only the
     weights with ``weights_only`` or --no-load-optim), reading only what the rank owns
-    (``shard_reader.py``)."""
+    (``shard_reader.py``). Returns where the run continues and the series it continues (a
+    ``weights_only`` load starts at zero, in a new series)."""
     meta = io.read_meta(directory)
     check_model_matches(cfg, meta["config"])
     no_optim = weights_only or cfg.checkpoint.no_load_optim
@@ -94,7 +97,7 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
     optimizer.load_local_state(target, no_optim)
     optimizer.shard.grads.zero_()  # it held the weights
     if weights_only:
-        return Progress(0, 0, 0, Progress.new_series())
+        return Progress(), new_series()
     if cfg.checkpoint.no_load_optim:
         logger.info("--no-load-optim: not loading the optimizer state (Adam moments and step, "
                     "loss scale): Adam starts from zero moments, the fp32 master weights are "
@@ -110,8 +113,8 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
         logger.info("the checkpoint (layout %s) holds no RNG states for this run's layout %s: "
                     "weights and optimizer state are resharded, dropout RNG streams start "
                     "fresh", meta["layout"], layout(cfg, state))
-    return Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"],
-                    io.series_of(meta))
+    return (Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"]),
+            io.series_of(meta))
 
 
 def resume_schedule(cfg: TrainConfig, flags: LRSchedule) -> LRSchedule:

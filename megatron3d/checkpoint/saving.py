@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +22,7 @@ from torch import nn
 from megatron3d.checkpoint import chunk_index, io
 from megatron3d.checkpoint.async_save import BackgroundSave
 from megatron3d.checkpoint.chunks import KINDS, make_chunks
+from megatron3d.checkpoint.progress import Progress
 from megatron3d.config import TrainConfig
 from megatron3d.errors import TrainingError
 from megatron3d.log import get_logger
@@ -36,23 +35,6 @@ from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 logger = get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class Progress:
-    """Where the run is, and which series of checkpoints it continues: a run that starts
-    from scratch (or fine-tunes) begins a new series, a resumed run continues the loaded one;
-    ``--keep-last-n`` prunes only its own series."""
-
-    iteration: int
-    consumed_samples: int
-    consumed_tokens: int
-    series: str
-
-    @staticmethod
-    def new_series() -> str:
-        """Only rank 0's choice is ever written (meta.json is rank 0's)."""
-        return uuid.uuid4().hex
-
-
 def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
     """How the run is laid out; saved RNG states are restored only into the same one. Model
     chunks per pipeline rank appear only with interleaving (older checkpoints lack them)."""
@@ -60,14 +42,6 @@ def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
     return {"world_size": state.world_size, "tp": state.tp.size, "pp": state.pp.size,
             "dp": state.dp.size, "zero_stage": cfg.parallel.zero_stage,
             **({"virtual": chunks} if chunks > 1 else {})}
-
-
-class Position(Protocol):
-    """Where the run is (the training loop's progress)."""
-
-    iteration: int
-    consumed_samples: int
-    consumed_tokens: int
 
 
 class Saver:
@@ -87,10 +61,9 @@ class Saver:
                                           cfg.parallel.zero_stage)
                            if cfg.checkpoint.async_save else None)
 
-    def __call__(self, progress: Position) -> str:
-        save(self.root, self.cfg, self.state, self.params, self.optimizer,
-             Progress(progress.iteration, progress.consumed_samples, progress.consumed_tokens,
-                      self.series), self.rng, self.lr_schedule, self.background)
+    def __call__(self, progress: Progress) -> str:
+        save(self.root, self.cfg, self.state, self.params, self.optimizer, progress,
+             self.series, self.rng, self.lr_schedule, self.background)
         return str(io.iteration_dir(Path(self.root), progress.iteration))
 
     def wait(self) -> None:
@@ -100,7 +73,7 @@ class Saver:
 
 
 def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-         optimizer: MixedPrecisionOptimizer, progress: Progress, rng: RNGStreams,
+         optimizer: MixedPrecisionOptimizer, progress: Progress, series: str, rng: RNGStreams,
          lr_schedule: LRSchedule, background: BackgroundSave | None = None) -> None:
     """Every rank writes its own file; rank 0 publishes the checkpoint when all are done.
     Non-finite weights or moments are refused on every rank before anything is written; a
@@ -112,7 +85,7 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
     staging = io.staging_dir(path, progress.iteration)
     if background is not None:
         background.wait()  # at most one save in flight
-    if _published(path, progress, state, optimizer.shard.grads.device):
+    if _published(path, progress.iteration, series, state, optimizer.shard.grads.device):
         return
     local = optimizer.local_state()
     _check_finite(local, state, progress.iteration, path)
@@ -123,7 +96,7 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
     comm.barrier(state.world)
     header = {"rng": _capture_rng(rng), "iteration": progress.iteration,  # see safety.py
               "rank": state.world_rank, "layout": layout(cfg, state)}
-    meta = (_meta(cfg, state, optimizer, progress, local, lr_schedule)
+    meta = (_meta(cfg, state, optimizer, progress, series, local, lr_schedule)
             if state.world_rank == 0 else None)
     if background is not None:
         background.start(path, local, header, meta, cfg.checkpoint.keep_last_n)
@@ -140,21 +113,21 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
 
 
 def _meta(cfg: TrainConfig, state: ParallelState, optimizer: MixedPrecisionOptimizer,
-          progress: Progress, local: dict[str, torch.Tensor],
+          progress: Progress, series: str, local: dict[str, torch.Tensor],
           lr_schedule: LRSchedule) -> dict[str, Any]:
     """meta.json: the run's position and series, Adam's step, the loss scaler, the resolved
     learning-rate schedule, the configuration and the layout."""
-    return {"format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress),
+    return {"format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress), "series": series,
             "adam_step": float(local["step"]), "layout": layout(cfg, state),
             "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
             "lr_schedule": dataclasses.asdict(lr_schedule), "config": dataclasses.asdict(cfg)}
 
 
-def _published(root: Path, progress: Progress, state: ParallelState,
+def _published(root: Path, iteration: int, series: str, state: ParallelState,
                device: torch.device) -> bool:
     """Whether this checkpoint is already saved (the save interval and the end of the run
     met). Rank 0 decides, since only its series is ever written, and tells the others."""
-    mine = state.world_rank == 0 and io.is_published(root, progress.iteration, progress.series)
+    mine = state.world_rank == 0 and io.is_published(root, iteration, series)
     return comm.any_rank(mine, state.world, device)
 
 

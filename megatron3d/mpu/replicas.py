@@ -1,4 +1,5 @@
-"""Check that TP-replicated parameters are still bitwise identical on every TP rank.
+"""Copies of one logical parameter on several ranks: which copy counts, and a check that
+TP-replicated parameters are still bitwise identical on every TP rank.
 
 Replicas can only drift through a bug (a missed gradient reduction, rank-dependent
 arithmetic), and a drifted model trains on silently. Rank 0 of the TP group broadcasts its
@@ -13,7 +14,17 @@ from torch import nn
 
 from megatron3d.mpu import comm
 from megatron3d.mpu.meta import get_meta
-from megatron3d.mpu.state import AxisGroup
+from megatron3d.mpu.state import AxisGroup, ParallelState
+
+
+def counted_once(state: ParallelState, param: nn.Parameter) -> bool:
+    """Whether this rank's copy of ``param`` is the one counted wherever each logical
+    parameter must count once (the grad norm, a checkpoint's chunks): TP replicas on TP rank
+    0, tied copies on the first pipeline stage. DP replicas are the caller's to decide."""
+    meta = get_meta(param)
+    if meta.tied_key is not None and not state.is_first_stage:
+        return False
+    return meta.tp_split_dim is not None or state.tp.rank == 0
 
 
 class ReplicaDriftError(RuntimeError):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -18,41 +21,62 @@ from megatron3d.accounting import memory
 from megatron3d.accounting.model_size import ModelSize, format_padded_vocab, model_size
 from megatron3d.checkpoint import loading
 from megatron3d.checkpoint import saving as checkpoint
+from megatron3d.checkpoint.progress import Progress, new_series
 from megatron3d.checkpoint.reader import find
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
-from megatron3d.log import TensorBoardWriter, every_rank_logger, get_logger
+from megatron3d.log import every_rank_logger, get_logger
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss
-from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import RNGStreams
-from megatron3d.mpu.replicas import check_tp_replicas
+from megatron3d.mpu.replicas import check_tp_replicas, counted_once
 from megatron3d.mpu.state import ParallelState
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.optim.optimizer import format_param_groups
-from megatron3d.pipeline.engine import PipelineEngine
+from megatron3d.pipeline.engine import PipelineEngine, ProgramObserver
 from megatron3d.pipeline.partition import format_partition_table, partition_layers
 from megatron3d.pipeline.spec import VirtualStages, build_chunks
 from megatron3d.pipeline.tied import TiedWeights
-from megatron3d.training.data_setup import build_run_data
+from megatron3d.training.data_setup import Datasets, build_run_data
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
-from megatron3d.training.loop import Progress, Trainer
+from megatron3d.training.loop import Hooks, ModelParts, RunData, Saver, Trainer
 from megatron3d.training.preflight import check_same_config
+from megatron3d.training.reporting import Reporter
+from megatron3d.training.tensorboard import TensorBoardWriter
 from megatron3d.zero.factory import DataParallel, build_data_parallel
 
 logger = get_logger(__name__)
+T = TypeVar("T")
+
 
 def logging_rank(state: ParallelState) -> int:
     """The last rank: it holds the loss (last pipeline stage) and writes logs and TensorBoard."""
     return state.world_size - 1
 
 
+@dataclass(frozen=True)
+class Overrides:
+    """What a caller puts in place of, or around, the parts ``build_trainer`` makes: the entry
+    point's hang watchdog, the instruments of tests and benchmarks. Each ``Callable`` field
+    receives the part built and returns the one the trainer uses."""
+
+    hooks: Hooks = field(default_factory=Hooks)
+    observers: tuple[ProgramObserver, ...] = ()  # told every pipeline instruction the engine runs
+    progress: Progress | None = None  # where to start instead of the loaded position
+    engine: Callable[[PipelineEngine], PipelineEngine] | None = None
+    grad_sync: Callable[[GradSync], GradSync] | None = None
+    check_replicas: Callable[[Callable[[], None]], Callable[[], None]] | None = None
+    save: Callable[[Saver | None], Saver | None] | None = None
+
+
 def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
-                  started: float | None = None) -> Trainer:
+                  started: float | None = None,
+                  overrides: Overrides | None = None) -> Trainer:
     """``started``: ``time.monotonic()`` at process start, for --exit-duration-in-mins."""
+    given = overrides or Overrides()
     check_same_config(cfg, state.world, dev)  # before anything could hang on a mismatch
     schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
     total_iters, train_samples = run_length(cfg, schedule)
@@ -72,50 +96,65 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                        draw_weights=directory is None)
     logger.info(format_padded_vocab(cfg.model.vocab_size, ctx.padded_vocab_size))
     size = model_size(ctx)
-    engine = build_engine(cfg, state, ctx, size)
+    engine = _wrapped(given.engine, build_engine(cfg, state, ctx, size))
     params = list(engine.stage.parameters())
     tied = TiedWeights(params, state.embedding)
     tied.broadcast_from_first_stage()
     data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp,
-                                        cfg.parallel, functools.partial(_counted, state), dev,
-                                        tuple(len(chunk.layers) for chunk in engine.chunks))
-    if data_parallel.observer is not None:
-        engine.observers.append(data_parallel.observer)
+                                        cfg.parallel, functools.partial(counted_once, state),
+                                        dev, tuple(len(chunk.layers) for chunk in engine.chunks))
+    engine.observers.extend(o for o in (data_parallel.observer, *given.observers)
+                            if o is not None)
 
     def check_replicas() -> None:
         check_tp_replicas(data_parallel.values_of(params), state.tp)
 
     check_replicas()
     optimizer = build_optimizer(cfg, state, data_parallel, params)
-    grad_sync = GradSync(params, data_parallel, tied, state)
     progress, series = _resume(cfg, state, params, optimizer, rng, directory)
     if cfg.checkpoint.load:  # copies must agree after loading as they did at start
         check_replicas()
         tied.check_identical(data_parallel.values_of(tied.params))
-    batches = functools.partial(_batches, data.train, data.eod, cfg.training.micro_batch_size,
-                                state, dev)
-    valid = functools.partial(_batches, data.valid, data.eod, cfg.training.micro_batch_size,
-                              state, dev)
     logger.info("model: %s parameters on this rank, %s unique parameters in total (all stages "
                 "and TP shards, a tied embedding once)", f"{sum(p.numel() for p in params):,}",
                 f"{size.unique:,}")
-    test = None if data.test is None else functools.partial(
-        _batches, data.test, data.eod, cfg.training.micro_batch_size, state, dev)
+    model = ModelParts(engine, optimizer, data_parallel,
+                       _wrapped(given.grad_sync, GradSync(params, data_parallel, tied, state)),
+                       _wrapped(given.check_replicas, check_replicas), state.dp)
+    saver = (checkpoint.Saver(cfg, state, params, optimizer, rng, lr_schedule, series)
+             if cfg.checkpoint.save else None)
+    writer = TensorBoardWriter(cfg.logging.tensorboard_dir,
+                               enabled=state.world_rank == logging_rank(state))
     return Trainer(
-        cfg=cfg, engine=engine, optimizer=optimizer, train_batches=batches,
-        valid_batches=lambda i: valid(i * schedule.global_batch_size,
-                                      schedule.global_batch_size),
-        test_batches=None if test is None else lambda i: test(i * schedule.global_batch_size,
-                                                              schedule.global_batch_size),
+        cfg=cfg, model=model, data=_run_data(data, cfg, state, dev, schedule),
         batch_schedule=schedule, lr_schedule=lr_schedule, total_iters=total_iters,
-        world_size=state.world_size, padded_vocab_size=ctx.padded_vocab_size, device=dev,
-        writer=TensorBoardWriter(cfg.logging.tensorboard_dir,
-                                 enabled=state.world_rank == logging_rank(state)),
-        check_replicas=check_replicas, grad_sync=grad_sync, dp=state.dp,
-        data_parallel=data_parallel,
-        save=checkpoint.Saver(cfg, state, params, optimizer, rng, lr_schedule, series)
-        if cfg.checkpoint.save else None,
-        exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started), progress=progress)
+        reporter=Reporter(cfg, writer, dev, state.world_size, ctx.padded_vocab_size,
+                          total_iters, optimizer.params_norm),
+        save=_wrapped(given.save, saver),
+        exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started),
+        progress=given.progress or progress, hooks=given.hooks)
+
+
+def _wrapped(wrap: Callable[[T], T] | None, part: T) -> T:
+    return part if wrap is None else wrap(part)
+
+
+def _run_data(data: Datasets, cfg: TrainConfig, state: ParallelState, dev: torch.device,
+              schedule: BatchSchedule) -> RunData:
+    """Each split's micro-batches for this rank, by position: training by consumed samples
+    and batch size, evaluation by its iteration (the same batches at every evaluation)."""
+    mbs, gbs = cfg.training.micro_batch_size, schedule.global_batch_size
+
+    def reader(dataset: TokenDataset) -> Callable[[int, int], list[MicroBatch]]:
+        return lambda consumed, size: micro_batches(dataset, consumed, size, mbs, state.dp.rank,
+                                                    state.dp.size, dev, data.eod)
+
+    def evaluation(dataset: TokenDataset) -> Callable[[int], list[MicroBatch]]:
+        read = reader(dataset)
+        return lambda i: read(i * gbs, gbs)
+
+    return RunData(train=reader(data.train), valid=evaluation(data.valid),
+                   test=None if data.test is None else evaluation(data.test))
 
 
 def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
@@ -137,15 +176,6 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
         stage, state.pp, lambda out, batch: lm_loss(out, batch.labels, batch.loss_mask, ctx),
         activation_shape=shape, dtype=ctx.params_dtype, device=ctx.device,
         schedule=cfg.parallel.pipeline_schedule, chunks=v)
-
-
-def _counted(state: ParallelState, p: nn.Parameter) -> bool:
-    """Count each logical parameter once in the grad norm: TP replicas on TP rank 0, tied
-    copies on the first pipeline stage."""
-    meta = get_meta(p)
-    if meta.tied_key is not None and not state.is_first_stage:
-        return False
-    return meta.tp_split_dim is not None or state.tp.rank == 0
 
 
 def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataParallel,
@@ -175,12 +205,11 @@ def _resume(cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
     if directory is None:
         if cfg.checkpoint.load:
             logger.info("no checkpoint in %s: starting from scratch", cfg.checkpoint.load)
-        return Progress(), checkpoint.Progress.new_series()
-    loaded = loading.load(directory, cfg, state, params, optimizer, rng,
-                             weights_only=cfg.checkpoint.finetune)
-    logger.info("loaded %s (iteration %d)", directory, loaded.iteration)
-    return Progress(loaded.iteration, loaded.consumed_samples,
-                    loaded.consumed_tokens), loaded.series
+        return Progress(), new_series()
+    progress, series = loading.load(directory, cfg, state, params, optimizer, rng,
+                                    weights_only=cfg.checkpoint.finetune)
+    logger.info("loaded %s (iteration %d)", directory, progress.iteration)
+    return progress, series
 
 
 def valid_samples(cfg: TrainConfig, schedule: BatchSchedule) -> int:
@@ -194,10 +223,3 @@ def run_length(cfg: TrainConfig, schedule: BatchSchedule) -> tuple[int, int]:
         return cfg.training.train_iters, schedule.samples_for_iters(cfg.training.train_iters)
     samples = cfg.training.train_samples
     return schedule.iters_for_samples(samples), samples
-
-
-def _batches(dataset: TokenDataset, eod: int | None, micro_batch_size: int,
-             state: ParallelState, dev: torch.device, consumed: int,
-             gbs: int) -> list[MicroBatch]:
-    return micro_batches(dataset, consumed, gbs, micro_batch_size, state.dp.rank, state.dp.size,
-                         dev, eod)

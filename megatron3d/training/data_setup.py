@@ -32,7 +32,9 @@ TEST_SAMPLE_OFFSET = 2**49
 
 
 @dataclass(frozen=True)
-class RunData:
+class Datasets:
+    """The run's datasets (a middle pipeline stage gets placeholders it never reads)."""
+
     vocab_size: int
     train: TokenDataset
     valid: TokenDataset | None
@@ -51,7 +53,7 @@ class _Offset:
 
 
 def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int,
-                   pp: AxisGroup | None = None, device: torch.device | None = None) -> RunData:
+                   pp: AxisGroup | None = None, device: torch.device | None = None) -> Datasets:
     """``valid_samples``: what one evaluation reads, from the validation and the test split.
 
     Only the first and the last pipeline stage (``pp``) use tokens, labels and loss masks;
@@ -68,16 +70,16 @@ def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int,
     return data
 
 
-def _unread(cfg: TrainConfig) -> RunData:
+def _unread(cfg: TrainConfig) -> Datasets:
     vocab = (cfg.model.vocab_size if cfg.data.mock_data
              else build_tokenizer(_tokenizer_spec(cfg)).vocab_size)
-    return RunData(vocab, UnreadDataset(), UnreadDataset(), None, None)
+    return Datasets(vocab, UnreadDataset(), UnreadDataset(), None, None)
 
 
-def _read(cfg: TrainConfig, train_samples: int, valid_samples: int) -> RunData:
+def _read(cfg: TrainConfig, train_samples: int, valid_samples: int) -> Datasets:
     if cfg.data.mock_data:
         mock = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed)
-        return RunData(cfg.model.vocab_size, mock, _Offset(mock, VALID_SAMPLE_OFFSET),
+        return Datasets(cfg.model.vocab_size, mock, _Offset(mock, VALID_SAMPLE_OFFSET),
                        _Offset(mock, TEST_SAMPLE_OFFSET), None)
     tokenizer = build_tokenizer(_tokenizer_spec(cfg))
     sets = build_datasets(**_sources(cfg), seq_length=cfg.model.seq_length,
@@ -92,7 +94,7 @@ def _read(cfg: TrainConfig, train_samples: int, valid_samples: int) -> RunData:
     if sets.valid is None and valid_samples > 0:
         raise ConfigError(f"the validation split is empty (--split={cfg.data.split!r}) but "
                           "--eval-iters > 0: give validation a share or pass --eval-iters 0")
-    return RunData(tokenizer.vocab_size, sets.train, sets.valid, sets.test,
+    return Datasets(tokenizer.vocab_size, sets.train, sets.valid, sets.test,
                    tokenizer.eod if cfg.data.eod_mask_loss else None)
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.engine import Batch, PipelineEngine
-from megatron3d.zero.reducer import average_over
+from megatron3d.training.step import average_over
 
 
 def evaluate(engine: PipelineEngine, batches_for: Callable[[int], list[Batch]],

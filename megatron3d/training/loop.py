@@ -3,7 +3,8 @@ end of a run: the final save, validation and test evaluation, and one summary li
 
 Everything per step stays on the device; the loop syncs with the device only at log and
 evaluation boundaries. The data position, batch size and learning rate are pure functions of
-``consumed_samples``, so a run is fully described by its ``Progress``.
+``consumed_samples``, so a run is fully described by its ``Progress``. A ``Trainer`` is built
+whole by ``training.build.build_trainer`` from named parts and never changed afterwards.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Protocol
 import torch
 
 from megatron3d.accounting import memory
+from megatron3d.checkpoint.progress import Progress
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch
-from megatron3d.log import Point, TensorBoardWriter, every_rank_logger, get_logger
+from megatron3d.log import every_rank_logger, get_logger
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
@@ -32,15 +34,6 @@ from megatron3d.training.step import StepResult, check_grad_norm, train_step
 from megatron3d.zero.factory import DataParallel
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class Progress:
-    """Where the run is; everything else (batch size, LR, data) follows from it."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    consumed_tokens: int = 0
 
 
 class Heartbeat(Protocol):
@@ -90,32 +83,51 @@ class _Outcome:
                 f"reason: {reason}")
 
 
-@dataclass
-class Trainer:
-    """Runs ``total_iters`` steps; built by ``training.build``."""
+@dataclass(frozen=True)
+class RunData:
+    """This rank's micro-batches of the run's three splits."""
 
-    cfg: TrainConfig
+    train: Callable[[int, int], list[MicroBatch]]  # (consumed samples, global batch size)
+    valid: Callable[[int], list[MicroBatch]]  # evaluation iteration -> micro-batches
+    test: Callable[[int], list[MicroBatch]] | None  # None: the split has no samples
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """The pipeline stage this rank trains and what one step runs on it."""
+
     engine: PipelineEngine
     optimizer: MixedPrecisionOptimizer
-    train_batches: Callable[[int, int], list[MicroBatch]]  # (consumed, gbs) -> micro-batches
-    valid_batches: Callable[[int], list[MicroBatch]]  # eval iteration -> micro-batches
-    test_batches: Callable[[int], list[MicroBatch]] | None  # None: the split has no samples
+    data_parallel: DataParallel  # buffers and shards of this rank's ZeRO stage
+    grad_sync: GradSync  # reductions between backward and the optimizer step
+    check_replicas: Callable[[], None]  # raises if TP-replicated parameters drifted
+    dp: AxisGroup  # the reported loss is the mean over it
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Who hears from the run as it goes: the hang watchdog (``heartbeat``), and a callback
+    after every step (tests and benchmarks)."""
+
+    heartbeat: Heartbeat = field(default_factory=_NoHeartbeat)
+    on_step: Callable[[int, StepResult], None] | None = None
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """Runs ``total_iters`` steps from ``progress``; built by ``training.build``."""
+
+    cfg: TrainConfig
+    model: ModelParts
+    data: RunData
     batch_schedule: BatchSchedule
     lr_schedule: LRSchedule
     total_iters: int
-    world_size: int
-    padded_vocab_size: int
-    device: torch.device
-    writer: TensorBoardWriter
-    check_replicas: Callable[[], None]  # raises if TP-replicated parameters drifted
-    grad_sync: GradSync  # reductions between backward and the optimizer step
-    dp: AxisGroup
-    data_parallel: DataParallel  # buffers and shards of this rank's ZeRO stage
+    reporter: Reporter  # the log line and TensorBoard
     save: Saver | None  # checkpoint.saving.Saver under --save
     exit_watch: ExitWatch
-    progress: Progress = field(default_factory=Progress)
-    heartbeat: Heartbeat = field(default_factory=_NoHeartbeat)
-    on_step: Callable[[int, StepResult], None] | None = None  # test and benchmark hook
+    progress: Progress  # advanced in place as the run goes
+    hooks: Hooks = field(default_factory=Hooks)
     _last: _Outcome = field(init=False, default_factory=_Outcome)
 
     def run(self) -> Progress:
@@ -133,24 +145,24 @@ class Trainer:
         if self.exit_watch.pressed:  # as Megatron: the job is about to be killed
             logger.info("no end-of-run evaluation: stopped by %s", reason)
         else:
-            with self.heartbeat.allowance("evaluation"):
+            with self.hooks.heartbeat.allowance("evaluation"):
                 self._final_evaluation()
         logger.info(self._last.summary(self.progress, reason))
-        self.writer.flush()
+        self.reporter.writer.flush()
         return self.progress
 
     def _train(self) -> str:
         """The steps and the final save; why they stopped."""
         reason = self._run_length_reached()
-        self.engine.stage.train()
-        reporter = Reporter(self.cfg, self.writer, self.device, self.world_size,
-                            self.padded_vocab_size, self.total_iters, self.optimizer.params_norm)
-        self.heartbeat.starting(self.progress.iteration)
+        self.model.engine.stage.train()
+        reporter = self.reporter
+        reporter.start()
+        self.hooks.heartbeat.starting(self.progress.iteration)
         with self.exit_watch:
             while self.progress.iteration < self.total_iters:
                 result, lr, gbs = self._step()
-                self.heartbeat.beat(self.progress.iteration)
-                reporter.step(self._point(), result, lr, gbs)
+                self.hooks.heartbeat.beat(self.progress.iteration)
+                reporter.step(self.progress, result, lr, gbs)
                 self._after_step(result)
                 stop = self.exit_watch.should_stop(self.progress.iteration)
                 if stop is not None:
@@ -163,10 +175,6 @@ class Trainer:
             # moment after the job's own, and it must not kill the final save half-way.
             self._save(final=True)
         return reason
-
-    def _point(self) -> Point:
-        return Point(self.progress.iteration, self.progress.consumed_samples,
-                     self.progress.consumed_tokens)
 
     def _run_length(self) -> str:
         """The flag that sets the run's length, with its value."""
@@ -187,16 +195,16 @@ class Trainer:
     def _after_step(self, result: StepResult) -> None:
         """Hooks, evaluation, checks and saving."""
         it = self.progress.iteration
-        if self.on_step is not None:
-            self.on_step(it, result)
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(it, result)
         if it == 1 and self.cfg.logging.memory_report:
             self._memory_report()
         if it % self.cfg.training.eval_interval == 0 and self.cfg.training.eval_iters > 0:
-            with self.heartbeat.allowance("evaluation"):
+            with self.hooks.heartbeat.allowance("evaluation"):
                 self._evaluate()
         replicas_every = self.cfg.parallel.check_replicas_interval
         if replicas_every and it % replicas_every == 0:
-            self.check_replicas()
+            self.model.check_replicas()
         save_every = self.cfg.checkpoint.save_interval
         if save_every and it % save_every == 0:
             self._save()
@@ -205,7 +213,7 @@ class Trainer:
         """Save at this iteration; the final save returns only once it is published (an
         earlier one may still be written in the background while training goes on)."""
         if self.save is not None:
-            with self.heartbeat.allowance("checkpoint save"):
+            with self.hooks.heartbeat.allowance("checkpoint save"):
                 self._last.checkpoint = self.save(self.progress)
                 if final:
                     self.save.wait()
@@ -214,8 +222,9 @@ class Trainer:
         consumed = self.progress.consumed_samples
         gbs = self.batch_schedule.global_batch_size_at(consumed)
         lr = self.lr_schedule.lr_at(consumed)
-        result = train_step(self.engine, self.optimizer, self.train_batches(consumed, gbs), lr,
-                            self.grad_sync, self.dp)
+        model = self.model
+        result = train_step(model.engine, model.optimizer, self.data.train(consumed, gbs), lr,
+                            model.grad_sync, model.dp)
         self.progress.iteration += 1
         if self.cfg.resilience.check_for_nan_in_loss_and_grad:
             check_grad_norm(result.stats, self.progress.iteration)
@@ -224,17 +233,19 @@ class Trainer:
         return result, lr, gbs
 
     def _memory_report(self) -> None:
-        params = list(self.engine.stage.parameters())
+        model = self.model
+        params = list(model.engine.stage.parameters())
         expected = memory.analytic(sum(p.numel() for p in params), params[0].element_size(),
-                                   self.cfg.parallel.zero_stage, self.dp.size,
-                                   memory.live_numel(self.data_parallel))
+                                   self.cfg.parallel.zero_stage, model.dp.size,
+                                   memory.live_numel(model.data_parallel))
         every_rank_logger().info(memory.report("memory after the first step:", expected,
-                                               memory.measured(self.optimizer,
-                                                               self.data_parallel)))
+                                               memory.measured(model.optimizer,
+                                                               model.data_parallel)))
 
     def _evaluate(self) -> None:
         it = self.progress.iteration
-        loss = evaluate(self.engine, self.valid_batches, self.cfg.training.eval_iters, self.dp)
+        loss = evaluate(self.model.engine, self.data.valid, self.cfg.training.eval_iters,
+                        self.model.dp)
         logger.info(format_eval_line(f"iteration {it}", loss))
         self._write_evaluation("validation", loss)
         self._last.valid_loss, self._last.valid_at = loss, it
@@ -247,12 +258,12 @@ class Trainer:
             return
         valid = self._last.valid_loss
         if valid is None or self._last.valid_at != it:
-            valid = evaluate(self.engine, self.valid_batches, iters, self.dp)
+            valid = evaluate(self.model.engine, self.data.valid, iters, self.model.dp)
             self._last.valid_loss, self._last.valid_at = valid, it
             self._write_evaluation("validation", valid)
         logger.info(format_eval_line(f"iteration {it} on validation set", valid))
-        if self.test_batches is not None:
-            loss = evaluate(self.engine, self.test_batches, iters, self.dp)
+        if self.data.test is not None:
+            loss = evaluate(self.model.engine, self.data.test, iters, self.model.dp)
             logger.info(format_eval_line(f"iteration {it} on test set", loss))
             self._write_evaluation("test", loss)
 
@@ -260,5 +271,5 @@ class Trainer:
         """``lm loss validation`` (or ``test``) and its perplexity, Megatron's names; an
         evaluation-only run (--skip-train) leaves the training curves alone, as Megatron's."""
         if not self.cfg.training.skip_train:
-            self.writer.write({f"lm loss {split}": loss, f"lm loss {split} ppl": perplexity(loss)},
-                              self._point())
+            self.reporter.writer.write({f"lm loss {split}": loss,
+                                        f"lm loss {split} ppl": perplexity(loss)}, self.progress)

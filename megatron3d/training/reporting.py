@@ -12,6 +12,7 @@ collective, so every rank computes it at the same iterations (it depends only on
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,16 +21,12 @@ import torch
 
 from megatron3d import device as devices
 from megatron3d.accounting.flops import FlopsCount, flops_per_iteration, throughput
+from megatron3d.checkpoint.progress import Progress
 from megatron3d.config import TrainConfig
-from megatron3d.log import (
-    IterationStats,
-    Point,
-    TensorBoardWriter,
-    format_iteration_line,
-    get_logger,
-)
+from megatron3d.log import IterationStats, format_iteration_line, get_logger
 from megatron3d.training import metrics as m
 from megatron3d.training.step import StepResult
+from megatron3d.training.tensorboard import TensorBoardWriter
 
 logger = get_logger(__name__)
 
@@ -48,15 +45,15 @@ class _Interval:
 class _Pending:
     """A TensorBoard interval taken on the device, written at the next log line."""
 
-    at: Point
+    at: Progress  # a copy: the loop advances its own
     learning_rate: float
     global_batch_size: int
     taken: m.TakenInterval
 
 
 class Reporter:
-    """Built by the trainer for a run; ``step`` after every optimizer step, ``finish`` at the
-    end (pending TensorBoard intervals)."""
+    """Built with the trainer; ``start`` when training starts, ``step`` after every optimizer
+    step, ``finish`` at the end (pending TensorBoard intervals)."""
 
     def __init__(self, cfg: TrainConfig, writer: TensorBoardWriter, device: torch.device,
                  world_size: int, padded_vocab_size: int, total_iters: int,
@@ -72,7 +69,11 @@ class Reporter:
         copies = 1 if model.tie_embeddings else 2  # input embedding, and an untied output
         self._padding_zeros = (padded_vocab_size - model.vocab_size) * model.hidden_size * copies
 
-    def step(self, at: Point, result: StepResult, lr: float, gbs: int) -> bool:
+    def start(self) -> None:
+        """Training starts now: the first log interval's time counts from here."""
+        self._interval = _Interval()
+
+    def step(self, at: Progress, result: StepResult, lr: float, gbs: int) -> bool:
         """Record one step ending at ``at``; True if it closed a log interval."""
         stats = result.stats
         for metrics in self._each():
@@ -91,7 +92,7 @@ class Reporter:
             for metrics in self._each():
                 metrics.set_params_norm(norm)
         if boarded and self._board is not None:
-            self._pending.append(_Pending(at, lr, gbs, self._board.take()))
+            self._pending.append(_Pending(dataclasses.replace(at), lr, gbs, self._board.take()))
         if logged:
             self._log(at, lr, gbs)
             self._write_pending()
@@ -108,7 +109,7 @@ class Reporter:
         zeros = values.get(m.NUM_ZEROS)
         return None if zeros is None else zeros - self._padding_zeros
 
-    def _log(self, at: Point, lr: float, gbs: int) -> None:
+    def _log(self, at: Progress, lr: float, gbs: int) -> None:
         devices.synchronize(self.device)
         values = self._line.collect()
         interval, self._interval = self._interval, _Interval()
@@ -120,8 +121,9 @@ class Reporter:
                                      interval.flops_model // steps),
                           per_iter, self.world_size, peak)
         stats = IterationStats(
-            iteration=at.iteration, train_iters=self.total_iters, consumed_samples=at.samples,
-            consumed_tokens=at.tokens, elapsed_s=per_iter, learning_rate=lr,
+            iteration=at.iteration, train_iters=self.total_iters,
+            consumed_samples=at.consumed_samples, consumed_tokens=at.consumed_tokens,
+            elapsed_s=per_iter, learning_rate=lr,
             global_batch_size=gbs, lm_loss=values.get(m.LM_LOSS),
             loss_scale=values.get(m.LOSS_SCALE, 1.0), grad_norm=values.get(m.GRAD_NORM),
             num_zeros=self._num_zeros(values), skipped_iterations=int(values[m.SKIPPED]),

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron3d.errors import TrainingError
+from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer, StepStats
 from megatron3d.pipeline.engine import Batch, PipelineEngine
 from megatron3d.training.grad_sync import GradSync
-from megatron3d.zero.reducer import average_over
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,14 @@ def train_step(engine: PipelineEngine, optimizer: MixedPrecisionOptimizer,
                                    before_last_backward=grad_sync.before_last_backward)
     grad_sync()
     return StepResult(loss=average_over(loss, dp), stats=optimizer.step(lr))
+
+
+def average_over(loss: torch.Tensor, dp: AxisGroup) -> torch.Tensor:
+    """The mean of ``loss`` over data-parallel ranks: the global batch's loss (the pipeline
+    engine returns this rank's share on the last stage)."""
+    if dp.size == 1:
+        return loss
+    return comm.all_reduce(loss.clone(), dp) / dp.size
 
 
 def check_grad_norm(stats: StepStats, iteration: int) -> None:

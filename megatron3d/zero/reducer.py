@@ -94,10 +94,3 @@ class GradReducer:
                 self._wire_out)
         self._armed = False
         self._work = []
-
-
-def average_over(loss: torch.Tensor, dp: AxisGroup) -> torch.Tensor:
-    """The mean of ``loss`` over data-parallel ranks (for logging the global batch's loss)."""
-    if dp.size == 1:
-        return loss
-    return comm.all_reduce(loss.clone(), dp) / dp.size

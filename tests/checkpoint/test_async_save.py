@@ -12,13 +12,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 from megatron3d.checkpoint import io
+from megatron3d.checkpoint.progress import Progress
 from megatron3d.errors import CheckpointError, TrainingError
-from megatron3d.training.loop import Progress
+from megatron3d.training.build import Overrides
+from megatron3d.training.exit_watch import ExitWatch
 from tests.helpers.dist import run_distributed
 from tests.helpers.host_sync import no_host_sync
 from tests.helpers.preemption import latest
@@ -52,10 +55,10 @@ def slow_writes(delay_s: float, fail_at: int | None = None,
 
 
 def _overlap(directory: str) -> dict:
-    trainer, _ = build(train_argv("gpt2", 6, *ASYNC, "--save", directory, "--save-interval",
-                                  "2"))
     finished: dict[int, float] = {}
-    trainer.on_step = lambda it, _: finished.__setitem__(it, time.monotonic())
+    trainer, _ = build(train_argv("gpt2", 6, *ASYNC, "--save", directory, "--save-interval",
+                                  "2"), on_step=lambda it, _: finished.__setitem__(
+                                      it, time.monotonic()))
     with slow_writes(SLOW_S) as writes:
         trainer.run()
     return {"finished": finished, "writes": writes, "returned": time.monotonic(),
@@ -144,7 +147,8 @@ def _refused_while_saving(directory: str) -> dict:
     with slow_writes(SLOW_S):
         trainer.save(Progress(4, 32, 512))
         if state.world_rank == 1:
-            trainer.optimizer.inner.param_groups[0]["params"][0].data.view(-1)[0] = float("nan")
+            weights = trainer.model.optimizer.inner.param_groups[0]["params"][0]
+            weights.data.view(-1)[0] = float("nan")
         try:
             trainer.save(Progress(5, 40, 640))
         except TrainingError as err:
@@ -167,8 +171,10 @@ class _SyncsAllowed:
     ``wait`` too once training is over; the steps between saves run under ``no_host_sync``
     while the background write goes on."""
 
-    def __init__(self, trainer: Any, guard: contextlib.ExitStack) -> None:
-        self.trainer, self.saver, self.guard = trainer, trainer.save, guard
+    def __init__(self, saver: Any, progress: Progress, total_iters: int,
+                 guard: contextlib.ExitStack) -> None:
+        self.saver, self.progress, self.total_iters, self.guard = (saver, progress,
+                                                                   total_iters, guard)
 
     def __call__(self, progress: Progress) -> str:
         self.guard.close()
@@ -177,30 +183,30 @@ class _SyncsAllowed:
         return directory
 
     def wait(self) -> None:
-        if self.trainer.progress.iteration == self.trainer.total_iters:
+        if self.progress.iteration == self.total_iters:
             self.guard.close()
         self.saver.wait()
 
 
 def _steps_without_sync(directory: str) -> int:
-    trainer, _ = build(train_argv("gpt2", 7, *ASYNC, "--save", directory, "--save-interval",
-                                  "3", "--log-interval", "100"))
     guard = contextlib.ExitStack()
-    trainer.save = _SyncsAllowed(trainer, guard)
+    progress, done = Progress(), []
     # With --save every step agrees on the stop signals (an all-reduce read on the host):
     # that is the exit watch's, not the save's, and it runs unguarded here.
-    should_stop = trainer.exit_watch.should_stop
+    should_stop = ExitWatch.should_stop
 
-    def watch(iteration: int) -> str | None:
+    def watch(self: ExitWatch, iteration: int) -> str | None:
         guard.close()
-        reason = should_stop(iteration)
+        reason = should_stop(self, iteration)
         guard.enter_context(no_host_sync())  # the next step (from step 2 on)
         return reason
 
-    trainer.exit_watch.should_stop = watch
-    done = []
-    trainer.on_step = lambda it, _: done.append(it)
-    with slow_writes(SLOW_S) as writes:
+    trainer, _ = build(train_argv("gpt2", 7, *ASYNC, "--save", directory, "--save-interval",
+                                  "3", "--log-interval", "100"),
+                       Overrides(progress=progress,
+                                 save=lambda saver: _SyncsAllowed(saver, progress, 7, guard)),
+                       on_step=lambda it, _: done.append(it))
+    with slow_writes(SLOW_S) as writes, mock.patch.object(ExitWatch, "should_stop", watch):
         trainer.run()
     assert [it for it, _, _ in writes] == [3, 6, 7]
     return len(done)

@@ -10,9 +10,10 @@ import torch
 
 import pretrain_gpt
 from megatron3d import device as devices
+from megatron3d.checkpoint.progress import Progress
 from megatron3d.log import setup_logging
 from megatron3d.mpu.meta import get_meta
-from megatron3d.training.loop import Progress
+from megatron3d.training.build import Overrides
 from tests.helpers.runs import build, train_single
 from tests.helpers.tiny import train_argv
 
@@ -63,12 +64,10 @@ def _params_after_resume(argv: list[str], progress: Progress | None = None) -> d
     setup_logging(0, log_rank=0)
     devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
     try:
-        trainer, _ = build(argv)
-        if progress is not None:
-            trainer.progress = progress
+        trainer, _ = build(argv, Overrides(progress=progress))
         trainer.run()
         params: dict[str, torch.Tensor] = {}
-        trainer.data_parallel.materialize(lambda group: params.update(
+        trainer.model.data_parallel.materialize(lambda group: params.update(
             (get_meta(p).name, p.detach().clone()) for p in group))
     finally:
         torch.distributed.destroy_process_group()

@@ -4,7 +4,7 @@
 Mutations start from one valid dataset: truncation of either file, overwritten bytes, header
 fields (magic, version, dtype code, counts) and array entries set to edge values, random
 garbage, appended bytes, swapped or missing files. A small independent reading of the format
-(``_valid``, from DESIGN.md section 7) says which results are still valid, so the reader must
+(``_valid``, from docs/ARCHITECTURE.md §4) says which results are still valid, so the reader must
 neither refuse a good pair nor accept a bad one.
 """
 

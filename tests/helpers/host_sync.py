@@ -1,5 +1,6 @@
-"""A context in which every device -> host transfer raises: the hot-path rule of DESIGN.md §9
-made checkable (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(tensor)``, cuda synchronize)."""
+"""A context in which every device -> host transfer raises: the hot-path rule of
+docs/ARCHITECTURE.md §5 made checkable (``.item()``, ``.tolist()``, ``.cpu()``,
+``bool(tensor)``, cuda synchronize)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,10 @@ what the equivalence tests compare: per-step losses and grad norms, final logica
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -13,7 +15,7 @@ from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState
-from megatron3d.training.build import build_trainer
+from megatron3d.training.build import Overrides, build_trainer
 from megatron3d.training.evaluate import evaluate
 from megatron3d.training.loop import Trainer
 from megatron3d.validation import validate
@@ -28,33 +30,37 @@ class RunResult:
     last_stage: bool = True
 
 
-def build(argv: list[str]) -> tuple[Trainer, ParallelState]:
-    """The trainer ``pretrain_gpt.py argv`` would run, on the initialised process group."""
+def build(argv: list[str], overrides: Overrides | None = None,
+          **hooks: Any) -> tuple[Trainer, ParallelState]:
+    """The trainer ``pretrain_gpt.py argv`` would run, on the initialised process group;
+    ``hooks`` (``on_step=...``) are the trainer's ``Hooks``, ``overrides`` the rest."""
     cfg = with_checkpoint_args(parse_args(argv))
     validate(cfg, torch.distributed.get_world_size())
     state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                 cfg.parallel.pipeline_model_parallel_size)
-    return build_trainer(cfg, state, torch.device("cpu")), state
+    given = overrides or Overrides()
+    if hooks:
+        given = dataclasses.replace(given, hooks=dataclasses.replace(given.hooks, **hooks))
+    return build_trainer(cfg, state, torch.device("cpu"), overrides=given), state
 
 
 def train(argv: list[str]) -> RunResult:
     """Train with ``argv`` on the already-initialised process group (all ranks call this)."""
-    trainer, state = build(argv)
     losses, norms = [], []
 
     def record(_: int, result) -> None:
         losses.append(result.loss)
         norms.append(result.stats.grad_norm)
 
-    trainer.on_step = record
+    trainer, state = build(argv, on_step=record)
     trainer.run()
     params = {}
 
     def grab(group: list) -> None:  # under ZeRO-3, one gathered unit at a time
         params.update((get_meta(p).name, gather_logical(p, state.tp).clone()) for p in group)
 
-    trainer.data_parallel.materialize(grab)
-    eval_loss = evaluate(trainer.engine, trainer.valid_batches, 1, state.dp)
+    trainer.model.data_parallel.materialize(grab)
+    eval_loss = evaluate(trainer.model.engine, trainer.data.valid, 1, state.dp)
     return RunResult([x.item() for x in losses], [x.item() for x in norms], params, eval_loss,
                      last_stage=state.is_last_stage)
 
@@ -124,10 +130,9 @@ def learning_rates(argv: list[str]) -> list[float]:
     setup_logging(0, log_rank=0)
     devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
     try:
-        trainer, _ = build(argv)
         used: list[float] = []
-        trainer.on_step = lambda it, result: used.append(
-            trainer.optimizer.inner.param_groups[0]["lr"])
+        trainer, _ = build(argv, on_step=lambda it, result: used.append(
+            trainer.model.optimizer.inner.param_groups[0]["lr"]))
         trainer.run()
     finally:
         torch.distributed.destroy_process_group()

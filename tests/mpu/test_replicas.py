@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from megatron3d import device as devices
+from megatron3d.checkpoint.progress import Progress
 from megatron3d.cli.arguments import parse_args
 from megatron3d.model.gpt import build_gpt
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.replicas import ReplicaDriftError, check_tp_replicas
 from megatron3d.mpu.state import AxisGroup, ParallelState
-from megatron3d.training.build import build_trainer
-from megatron3d.training.loop import Progress, Trainer
+from megatron3d.training.build import Overrides, build_trainer
+from megatron3d.training.loop import Hooks, Trainer
 from megatron3d.training.step import StepResult
 from megatron3d.validation import validate
 from tests.helpers.dist import run_distributed
@@ -81,7 +82,7 @@ def test_check_tp_replicas_on_a_tp2_gpt():
 
 
 def _local_model(trainer: Trainer) -> nn.Module:
-    return trainer.engine.stage
+    return trainer.model.engine.stage
 
 
 def _train_until_drift(argv: list[str], drift_after: int) -> tuple[list[int], str | None]:
@@ -93,9 +94,6 @@ def _train_until_drift(argv: list[str], drift_after: int) -> tuple[list[int], st
     cfg = parse_args(argv)
     validate(cfg, 2)
     state = ParallelState.build(2, 1)
-    trainer = build_trainer(cfg, state, torch.device("cpu"))
-    norm = next(p for p in _local_model(trainer).parameters()
-                if get_meta(p).name == REPLICATED[0])
     seen: list[int] = []
 
     def on_step(iteration: int, _: StepResult) -> None:
@@ -103,7 +101,10 @@ def _train_until_drift(argv: list[str], drift_after: int) -> tuple[list[int], st
         if iteration == drift_after and state.tp.rank == DRIFT_RANK:
             _nudge(norm)
 
-    trainer.on_step = on_step
+    trainer = build_trainer(cfg, state, torch.device("cpu"),
+                            overrides=Overrides(hooks=Hooks(on_step=on_step)))
+    norm = next(p for p in _local_model(trainer).parameters()
+                if get_meta(p).name == REPLICATED[0])
     try:
         trainer.run()
     except ReplicaDriftError as err:
@@ -141,10 +142,13 @@ def _check_calls(interval: int, iters: int) -> list[int]:
     validate(cfg, 1)
     devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
     try:
-        trainer = build_trainer(cfg, ParallelState.single(), torch.device("cpu"))
-        trainer.check_replicas = _CountingCheck(trainer.progress)
+        progress = Progress()
+        check = _CountingCheck(progress)
+        trainer = build_trainer(cfg, ParallelState.single(), torch.device("cpu"),
+                                overrides=Overrides(progress=progress,
+                                                    check_replicas=lambda _built: check))
         trainer.run()
-        return trainer.check_replicas.calls
+        return check.calls
     finally:
         torch.distributed.destroy_process_group()
 

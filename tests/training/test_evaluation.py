@@ -140,8 +140,9 @@ def test_a_signal_stops_without_evaluation(tmp_path, capsys):
     devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
     try:
         setup_logging(0, log_rank=0)  # as pretrain_gpt.main, onto this test's stdout
-        trainer, _ = build(train_argv("gpt2", 50, "--save", str(tmp_path)))
-        trainer.on_step = lambda it, _: it == 2 and os.kill(os.getpid(), signal.SIGUSR1)
+        trainer, _ = build(train_argv("gpt2", 50, "--save", str(tmp_path)),
+                           on_step=lambda it, _: it == 2 and os.kill(os.getpid(),
+                                                                    signal.SIGUSR1))
         trainer.run()
     finally:
         torch.distributed.destroy_process_group()

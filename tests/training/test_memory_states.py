@@ -40,12 +40,13 @@ def _measure_and_model() -> list[tuple[memory.MemoryBytes, memory.MemoryBytes]]:
         trainer.run()
         cfg, parallel = trainer.cfg, trainer.cfg.parallel
         spans = [(chunk.first_index, chunk.first_index + len(chunk.layers))
-                 for chunk in trainer.engine.chunks]
+                 for chunk in trainer.model.engine.chunks]
         buffers = memory.planned_buffers(cfg, state.tp.size, state.dp.size, spans)
         param_bytes = getattr(torch, cfg.precision.params_dtype_name).itemsize
         modelled = memory.state_bytes(buffers, param_bytes, parallel.zero_stage, state.dp.size,
                                       2 if parallel.grad_reduce_in_bf16 else 4)
-        pairs.append((memory.measured(trainer.optimizer, trainer.data_parallel), modelled))
+        pairs.append((memory.measured(trainer.model.optimizer, trainer.model.data_parallel),
+                      modelled))
     return pairs
 
 

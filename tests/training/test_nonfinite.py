@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron3d.checkpoint.progress import Progress
 from megatron3d.errors import TrainingError
-from megatron3d.training.loop import Progress
+from megatron3d.training.build import Overrides
+from megatron3d.training.grad_sync import GradSync
 from tests.helpers.dist import run_distributed
 from tests.helpers.faults import CorruptAfterReduce
 from tests.helpers.host_sync import no_host_sync
@@ -39,17 +41,17 @@ COUNTS = re.compile(r"number of skipped iterations: +(\d+) \| number of nan iter
 def _snapshot(trainer) -> dict[str, torch.Tensor]:
     """Parameters as the model holds them, and the optimizer's fp32 weights, moments, step."""
     params = {f"param{i}": p.detach().clone()
-              for i, p in enumerate(trainer.engine.stage.parameters())}
-    return {**params, **trainer.optimizer.local_state()}
+              for i, p in enumerate(trainer.model.engine.stage.parameters())}
+    return {**params, **trainer.model.optimizer.local_state()}
 
 
 def _poisoned_run(precision: tuple[str, ...], layout: tuple[str, ...], bad_rank: int,
                   *flags: str) -> dict:
-    trainer, state = build(train_argv("gpt2", ITERS, *precision, *layout, "--log-interval",
-                                      str(ITERS), *flags))
-    shard = trainer.optimizer.shard
-    trainer.grad_sync = CorruptAfterReduce(trainer.grad_sync, lambda: shard.counted_grads()[0],
-                                           BAD_STEP, state.world_rank == bad_rank, float("nan"))
+    def corrupted(sync: GradSync) -> CorruptAfterReduce:
+        shard = sync.data_parallel.shard
+        return CorruptAfterReduce(sync, lambda: shard.counted_grads()[0], BAD_STEP,
+                                  sync.state.world_rank == bad_rank, float("nan"))
+
     lines = LogLines()
     logging.getLogger("megatron3d.training.reporting").addHandler(lines)
     logging.getLogger("megatron3d.training.reporting").setLevel(logging.INFO)
@@ -67,7 +69,9 @@ def _poisoned_run(precision: tuple[str, ...], layout: tuple[str, ...], bad_rank:
         if iteration == BAD_STEP - 1 and not checked:  # the bad step runs without host syncs
             no_sync.enter_context(no_host_sync())
 
-    trainer.on_step = on_step
+    trainer, state = build(train_argv("gpt2", ITERS, *precision, *layout, "--log-interval",
+                                      str(ITERS), *flags), Overrides(grad_sync=corrupted),
+                           on_step=on_step)
     try:
         with no_sync:
             trainer.run()
@@ -126,7 +130,7 @@ def _save_poisoned(directory: str, precision: tuple[str, ...]) -> dict:
     trainer.run()
     before = _tree(Path(directory))
     if state.world_rank == 1:
-        trainer.optimizer.inner.param_groups[0]["params"][0].data.view(-1)[0] = float("nan")
+        trainer.model.optimizer.inner.param_groups[0]["params"][0].data.view(-1)[0] = float("nan")
     try:
         trainer.save(Progress(4, 32, 512))
     except TrainingError as err:

@@ -96,7 +96,8 @@ def _dropout_masks() -> tuple[torch.Tensor, torch.Tensor]:
     trainer's build leaves them."""
     trainer, _ = build(_argv("gpt2", 2, "--pipeline-model-parallel-size", "2",
                              "--pp-partition-method", "uniform", "--hidden-dropout", "0.1"))
-    rng = next(m.rng for m in trainer.engine.stage.modules() if isinstance(m, TransformerLayer))
+    rng = next(m.rng for m in trainer.model.engine.stage.modules()
+               if isinstance(m, TransformerLayer))
     ones = torch.ones(256)
     with rng.fork():
         tp_stream = F.dropout(ones, 0.5)

@@ -40,7 +40,7 @@ def _build_and_count(flavour: str, *flags: str) -> tuple[str, int]:
         trainer, state = build(train_argv(flavour, 4, *flags))
     finally:
         log.removeHandler(collect)
-    owned = sum(p.numel() for p in trainer.engine.stage.parameters()
+    owned = sum(p.numel() for p in trainer.model.engine.stage.parameters()
                 if (state.is_first_stage or get_meta(p).tied_key is None)
                 and (state.tp.rank == 0 or get_meta(p).tp_split_dim is not None))
     return "\n".join(collect.lines), owned

@@ -103,14 +103,13 @@ def test_num_zeros_leaves_out_the_padding_rows(capsys, untied):
     setup_logging(0, log_rank=0)
     devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
     try:
-        trainer, _ = build(train_argv("gpt2", 1, "--log-num-zeros-in-grad", "--lr-warmup-iters",
-                                      "0", *extra))
         counted: list[int] = []
-        trainer.on_step = lambda it, result: counted.append(sum(
+        trainer, _ = build(train_argv("gpt2", 1, "--log-num-zeros-in-grad", "--lr-warmup-iters",
+                                      "0", *extra), on_step=lambda it, result: counted.append(sum(
             int((grad[:VOCAB] if p.shape[0] == PADDED else grad).eq(0).sum())
-            for p in trainer.engine.stage.parameters()
-            for grad in trainer.data_parallel.shard.grads_of([p])
-            for grad in [grad.view(p.shape)]))
+            for p in trainer.model.engine.stage.parameters()
+            for grad in trainer.model.data_parallel.shard.grads_of([p])
+            for grad in [grad.view(p.shape)])))
         trainer.run()
     finally:
         torch.distributed.destroy_process_group()

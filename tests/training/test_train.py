@@ -15,7 +15,8 @@ import pretrain_gpt
 from megatron3d import device as devices
 from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.state import ParallelState
-from megatron3d.training.build import build_trainer
+from megatron3d.training.build import Overrides, build_trainer
+from megatron3d.training.loop import Hooks
 from megatron3d.validation import validate
 from tests.helpers.tiny import train_argv
 
@@ -35,8 +36,9 @@ def _losses(argv: list[str]) -> list[float]:
     devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
     try:
         losses: list[torch.Tensor] = []
-        trainer = build_trainer(cfg, ParallelState.single(), torch.device("cpu"))
-        trainer.on_step = lambda it, result: losses.append(result.loss)
+        on_step = Hooks(on_step=lambda it, result: losses.append(result.loss))
+        trainer = build_trainer(cfg, ParallelState.single(), torch.device("cpu"),
+                                overrides=Overrides(hooks=on_step))
         trainer.run()
         return [x.item() for x in losses]
     finally:

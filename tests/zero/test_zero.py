@@ -8,6 +8,8 @@ import torch
 
 from megatron3d.accounting import memory
 from megatron3d.mpu.traffic import CommCounter, observing
+from megatron3d.training.build import Overrides
+from megatron3d.training.grad_sync import GradSync
 from tests.helpers.dist import run_distributed
 from tests.helpers.faults import CorruptAfterReduce
 from tests.helpers.runs import build, train, train_single
@@ -34,11 +36,11 @@ def test_bf16_zero_tracks_the_fp32_reference(zero):
 
 
 def _reduce_bytes(*flags: str) -> tuple[list[float], int]:
-    trainer, state = build(train_argv("gpt2", 20, "--zero-stage", "1", "--lr", "1e-2", *flags))
+    losses = []
+    trainer, state = build(train_argv("gpt2", 20, "--zero-stage", "1", "--lr", "1e-2", *flags),
+                           on_step=lambda _it, result: losses.append(result.loss.item()))
     counter = CommCounter(only=(state.dp,))
     with observing(counter):
-        losses = []
-        trainer.on_step = lambda _it, result: losses.append(result.loss.item())
         trainer.run()
     return losses, counter.bytes["reduce_scatter"]
 
@@ -54,8 +56,8 @@ def test_grad_reduce_in_bf16_halves_dp_bytes_and_tracks_fp32_reduction():
 def _overlapped_gather() -> dict:
     trainer, state = build(train_argv("gpt2", 3, "--zero-stage", "1", "--overlap-param-gather",
                                       "--reduce-bucket-size", "2000"))
-    gatherer = trainer.data_parallel.gatherer
-    params = trainer.data_parallel.buffers.params
+    gatherer = trainer.model.data_parallel.gatherer
+    params = trainer.model.data_parallel.buffers.params
     inputs_in_place = []
 
     def on_collective(kind: str, tensor, axis, *_) -> None:
@@ -70,13 +72,13 @@ def _overlapped_gather() -> dict:
             forwards.append({})
         forwards[-1][j] = set(gatherer.pending)
 
-    for j, layer in enumerate(trainer.engine.stage.layers):  # runs after the gatherer's hook
+    for j, layer in enumerate(trainer.model.engine.stage.layers):  # runs after the gatherer's hook
         layer.register_forward_pre_hook(lambda _m, _x, j=j: snapshot(j))
     with observing(on_collective):
         trainer.run()
     per_step = trainer.batch_schedule.global_batch_size_at(0) // (2 * state.dp.size)
-    layers = trainer.engine.stage.layers
-    buckets = trainer.data_parallel.buffers.layout.buckets
+    layers = trainer.model.engine.stage.layers
+    buckets = trainer.model.data_parallel.buffers.layout.buckets
     first_use = {b: next(j for j, layer in enumerate(layers)  # a tied weight: layer 0
                          if any(p is q for p in layer.parameters() for q in bucket.params))
                  for b, bucket in enumerate(buckets)}
@@ -98,16 +100,20 @@ def test_overlapped_param_gather_waits_at_first_use_without_staging():
 
 
 def _fp16_overflow(zero: int) -> dict:
-    trainer, state = build(train_argv("gpt2", 5, "--fp16", "--initial-loss-scale", "1024",
-                                         "--hysteresis", "1", "--zero-stage", str(zero)))
-    grads = trainer.optimizer.shard.grads
-    trainer.grad_sync = CorruptAfterReduce(trainer.grad_sync, lambda: grads, at=3,
-                                           on_rank=state.dp.rank == 1, value=float("inf"))
+    def corrupted(sync: GradSync) -> CorruptAfterReduce:
+        grads = sync.data_parallel.shard.grads
+        return CorruptAfterReduce(sync, lambda: grads, at=3, on_rank=sync.state.dp.rank == 1,
+                                  value=float("inf"))
+
     seen = []
-    trainer.on_step = lambda it, r: seen.append((r.stats.skipped.item(), r.stats.loss_scale,
-                                                 trainer.optimizer.loss_scale))
+    trainer, state = build(train_argv("gpt2", 5, "--fp16", "--initial-loss-scale", "1024",
+                                      "--hysteresis", "1", "--zero-stage", str(zero)),
+                           Overrides(grad_sync=corrupted),
+                           on_step=lambda it, r: seen.append((
+                               r.stats.skipped.item(), r.stats.loss_scale,
+                               trainer.model.optimizer.loss_scale)))
     trainer.run()
-    dp = trainer.data_parallel  # ZeRO-3 ranks hold different shards: nothing to compare
+    dp = trainer.model.data_parallel  # ZeRO-3 ranks hold different shards: nothing to compare
     return {"steps": seen, "params": dp.buffers.params.clone() if zero < 3 else None}
 
 
@@ -126,9 +132,9 @@ def _state_bytes(zero: int) -> tuple[int, int]:
     trainer, state = build(train_argv("gpt2", 3, "--bf16", "--zero-stage", str(zero),
                                          "--reduce-bucket-size", "3000"))
     trainer.run()
-    params = sum(p.numel() for p in trainer.engine.stage.parameters())
+    params = sum(p.numel() for p in trainer.model.engine.stage.parameters())
     expected = memory.analytic(params, 2, zero, state.dp.size).optimizer_state
-    return trainer.optimizer.state_bytes(), expected
+    return trainer.model.optimizer.state_bytes(), expected
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -141,13 +147,13 @@ def test_zero1_optimizer_state_bytes_match_the_analytic_value(dp):
 
 def _launch_points() -> tuple[int, int, int]:
     trainer, state = build(train_argv("gpt2", 3, "--reduce-bucket-size", "2000"))
-    batches = trainer.train_batches(0, trainer.batch_schedule.global_batch_size_at(0))
-    trainer.optimizer.zero_grad()
-    trainer.engine.forward_backward(batches, 1.0,
-                                    before_last_backward=trainer.grad_sync.before_last_backward)
-    during_backward = len(trainer.data_parallel.reducer.launched)
-    trainer.grad_sync()
-    return during_backward, len(trainer.data_parallel.buffers.layout.buckets), len(batches)
+    batches = trainer.data.train(0, trainer.batch_schedule.global_batch_size_at(0))
+    trainer.model.optimizer.zero_grad()
+    trainer.model.engine.forward_backward(
+        batches, 1.0, before_last_backward=trainer.model.grad_sync.before_last_backward)
+    during_backward = len(trainer.model.data_parallel.reducer.launched)
+    trainer.model.grad_sync()
+    return during_backward, len(trainer.model.data_parallel.buffers.layout.buckets), len(batches)
 
 
 def test_bucket_reductions_start_during_the_last_backward():

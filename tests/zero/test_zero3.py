@@ -81,11 +81,12 @@ def _step_collectives(*flags: str) -> dict:
                                       "1", *flags))
     counter = CommCounter(only=(state.dp,))
     gbs = trainer.batch_schedule.global_batch_size_at(0)
-    batches = trainer.train_batches(0, gbs)
+    batches = trainer.data.train(0, gbs)
     with observing(counter):
-        train_step(trainer.engine, trainer.optimizer, batches, 1e-3, trainer.grad_sync, state.dp)
-    units = len(trainer.data_parallel.units.groups)
-    params = sum(p.numel() for p in trainer.engine.stage.parameters())
+        train_step(trainer.model.engine, trainer.model.optimizer, batches, 1e-3,
+                   trainer.model.grad_sync, state.dp)
+    units = len(trainer.model.data_parallel.units.groups)
+    params = sum(p.numel() for p in trainer.model.engine.stage.parameters())
     return {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "units": units,
             "micro_batches": len(batches), "params": params, "dp": state.dp.size}
 
@@ -114,17 +115,17 @@ def _gather_and_compute_order(depth: int) -> tuple[list[str], tuple]:
     trainer, state = build(train_argv("gpt2", 3, "--zero-stage", "3", "--num-layers", "4",
                                       "--zero3-prefetch-depth", str(depth)))
     events: list[str] = []
-    for j, layer in enumerate(trainer.engine.stage.layers):  # after ZeRO-3's own hooks
+    for j, layer in enumerate(trainer.model.engine.stage.layers):  # after ZeRO-3's own hooks
         layer.register_forward_pre_hook(lambda _m, _x, j=j: events.append(f"compute {j}"))
 
     def on_collective(kind: str, _tensor, axis, *_) -> None:
         if kind == "all_gather" and axis.group is state.dp.group:
             events.append("gather")
 
-    batches = trainer.train_batches(0, trainer.batch_schedule.global_batch_size_at(0))
+    batches = trainer.data.train(0, trainer.batch_schedule.global_batch_size_at(0))
     with observing(on_collective), torch.no_grad():
-        trainer.engine.forward_only(batches[:1])
-    return events, trainer.data_parallel.units.needs
+        trainer.model.engine.forward_only(batches[:1])
+    return events, trainer.model.data_parallel.units.needs
 
 
 def test_prefetch_is_real():
@@ -141,21 +142,20 @@ def test_prefetch_is_real():
 
 
 def _memory(*flags: str) -> dict:
-    trainer, state = build(train_argv("gpt2", 4, "--zero-stage", "3", *flags))
     pointers = []
 
     def snapshot(_it, _result) -> None:
-        dp = trainer.data_parallel
+        dp = trainer.model.data_parallel
         tensors = [dp.shard.local_params, dp.shard.grads,
                    *(t for s in dp.slots for t in (s.params, s.grads, s.reduced))]
         pointers.append(([t.data_ptr() for t in tensors],
-                         memory.measured(trainer.optimizer, dp)))
+                         memory.measured(trainer.model.optimizer, dp)))
 
-    trainer.on_step = snapshot
+    trainer, state = build(train_argv("gpt2", 4, "--zero-stage", "3", *flags), on_step=snapshot)
     trainer.run()
-    params = list(trainer.engine.stage.parameters())
+    params = list(trainer.model.engine.stage.parameters())
     expected = memory.analytic(sum(p.numel() for p in params), params[0].element_size(), 3,
-                               state.dp.size, memory.live_numel(trainer.data_parallel))
+                               state.dp.size, memory.live_numel(trainer.model.data_parallel))
     return {"steps": pointers, "expected": expected}
 
 
