@@ -105,3 +105,42 @@ def test_cuda_is_only_mentioned_in_device_py():
     offenders = [p.name for p in MODULES if p.name != "device.py"
                  and (".cuda(" in p.read_text() or "torch.cuda." in p.read_text())]
     assert not offenders
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules ``path`` imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in modules}
+    return found
+
+
+def test_no_import_cycle():
+    """Not even through a lazy import inside a function (data/tokenizer.py and
+    data/gpt2_bpe.py once imported each other that way)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: _imported_modules(p, set(paths)) - {m} for m, p in paths.items()}
+    done: set[str] = set()
+
+    def visit(module: str, stack: list[str]) -> None:
+        if module in stack:
+            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(module):])} "
+                                 f"-> {module}")
+        if module not in done:
+            for imported in sorted(graph[module]):
+                visit(imported, [*stack, module])
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
