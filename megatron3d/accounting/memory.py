@@ -7,8 +7,8 @@ planner, the start-up report and the up-front fit check share, and what a rank r
   of the padded layout (each bucket padded to a multiple of DP under ZeRO-1), and under
   ZeRO-1 the fp32 buffer of this rank's reduce-scattered slice;
 - ZeRO-3: this rank's 1/DP shard of every unit (model dtype, and its fp32 gradients) and the
-  slot buffers gathered units live in: per slot element its parameter, its fp32 gradient,
-  with a bf16 wire a bf16 copy, and 1/DP of an element of reduce-scatter output;
+  slot buffers gathered units live in: per slot element its parameter, its fp32 gradient
+  and, with a bf16 wire, a bf16 copy (the reduce-scatter is in place: no output buffer);
 - optimizer state: the fp32 master copy of the slice a rank updates (bf16/fp16 models,
   padding included) and Adam's two fp32 moments of the real elements in it.
 
@@ -84,7 +84,7 @@ def state_bytes(buffers: Buffers, param_bytes: int, zero_stage: int, dp: int,
         slots = buffers.slots
         copy = wire_bytes * slots if wire_bytes < FP32 else 0
         return MemoryBytes(params=param_bytes * (buffers.shard + slots),
-                           grads=FP32 * (buffers.shard + slots) + copy + wire_bytes * slots // dp,
+                           grads=FP32 * (buffers.shard + slots) + copy,
                            optimizer_state=optimizer)
     sliced = FP32 * buffers.shard if zero_stage == 1 else 0
     return MemoryBytes(params=param_bytes * buffers.flat, grads=FP32 * buffers.flat + sliced,

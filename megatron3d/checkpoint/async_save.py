@@ -2,14 +2,14 @@
 step, and a thread writes it while training goes on.
 
 On the main thread, at the save's step: the fp32 weights and Adam moments this rank writes
-are copied into a host buffer allocated once (pinned on GPUs) whose slices are the data of
-this rank's chunks, and the small state (RNG streams, iteration, rank 0's meta.json) is
-captured. A thread then writes the rank file into ``iter_X.tmp``. Rank files are written
-atomically (a temporary name, fsync, rename), so a rank file there is that rank's "done"
-marker: rank 0's thread, after its own file, polls the directory until every rank's file is
-in place, then writes meta.json and the chunk index, renames the directory, points ``latest``
-at it and prunes (``chunk_index.finish``). A crash at any moment leaves ``latest`` where the
-synchronous save would: at a complete checkpoint.
+are copied into the saver's host buffer (``snapshot.py``: allocated once, pinned on GPUs)
+whose slices are the data of this rank's chunks, and the small state (RNG streams,
+iteration, rank 0's meta.json) is captured. A thread then writes the rank file into
+``iter_X.tmp``. Rank files are written atomically (a temporary name, fsync, rename), so a
+rank file there is that rank's "done" marker: rank 0's thread, after its own file, polls the
+directory until every rank's file is in place, then writes meta.json and the chunk index,
+renames the directory, points ``latest`` at it and prunes (``chunk_index.finish``). A crash
+at any moment leaves ``latest`` where the synchronous save would: at a complete checkpoint.
 
 Why files and not a collective say when every rank is done: ranks match collectives by the
 order they are issued on a communicator (NCCL and gloo alike), and one issued from a second
@@ -35,58 +35,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from megatron3d import device as devices
 from megatron3d.checkpoint import chunk_index, io
-from megatron3d.checkpoint.chunks import KINDS, new_chunk, owned_parts
 from megatron3d.errors import CheckpointError
 from megatron3d.log import get_logger
 from megatron3d.mpu import comm
-from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import ParallelState
-from megatron3d.zero.shard import Shard
 
 logger = get_logger(__name__)
 
 _FIRST_POLL_S = 0.01  # rank 0 looks for the other ranks' files this soon after its own,
 _LAST_POLL_S = 1.0  # then ever less often: at most once a second on a shared filesystem
-
-
-class HostSnapshot:
-    """The fp32 weights and Adam moments this rank writes, in host memory allocated once.
-    The chunks (those ``chunks.make_chunks`` would make, in its order) hold slices of the
-    buffer, so each save copies into it and writes the same chunk list; a rank file then
-    holds the buffer as one storage, which every reader takes as it takes separate ones."""
-
-    def __init__(self, params: list[nn.Parameter], shard: Shard, state: ParallelState,
-                 zero_stage: int) -> None:
-        parts = list(owned_parts(params, shard, state, zero_stage))
-        total = sum(end - start for _, start, end, _ in parts)
-        self._buffer = devices.host_buffer((len(KINDS), total), torch.float32)  # [kind, owned]
-        self._spans: list[list[int]] = []  # [local offset, buffer offset, length], merged
-        self.chunks: list[dict] = []
-        at = 0
-        for p, start, end, local in parts:
-            n = end - start
-            self.chunks += [new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size,
-                                      tuple(p.shape), start, end, self._buffer[k, at:at + n])
-                            for k, kind in enumerate(KINDS)]
-            last = self._spans[-1] if self._spans else None
-            if last is not None and last[0] + last[2] == local:  # adjacent: one copy
-                last[2] += n
-            else:
-                self._spans.append([local, at, n])
-            at += n
-
-    def capture(self, local: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's part of ``local`` (``optimizer.local_state()``) in; returns once
-        the copies are done (a device sync, at save time)."""
-        for k, kind in enumerate(KINDS):
-            for source, at, n in self._spans:
-                self._buffer[k, at:at + n].copy_(local[kind][source:source + n],
-                                                 non_blocking=True)
-        devices.synchronize(local["weight"].device)
 
 
 @dataclass
@@ -106,23 +65,19 @@ class BackgroundSave:
     """One rank's asynchronous saves: ``start`` after the checks, ``wait`` before the next
     save and before the run exits (every rank calls both at the same points)."""
 
-    def __init__(self, params: list[nn.Parameter], shard: Shard, state: ParallelState,
-                 zero_stage: int) -> None:
-        self._snapshot = HostSnapshot(params, shard, state, zero_stage)
-        self._state = state
-        self._device = shard.grads.device  # NCCL reduces device tensors
+    def __init__(self, state: ParallelState, device: torch.device) -> None:
+        self._state, self._device = state, device  # NCCL reduces device tensors
         self._job: _Job | None = None
 
-    def start(self, root: Path, local: dict[str, torch.Tensor], header: dict[str, Any],
-              meta: dict[str, Any] | None, keep_last: int | None) -> None:
-        """Snapshot ``local`` and start writing the rank file (``header`` plus the chunks)
-        into ``iter_X.tmp``, which exists on every rank by now; ``meta`` (rank 0's only) is
-        published once every rank's file is there, then ``keep_last`` prunes."""
+    def start(self, root: Path, payload: dict[str, Any], meta: dict[str, Any] | None,
+              keep_last: int | None) -> None:
+        """Start writing the rank file ``payload`` (its chunks' data in host memory, which
+        stays untouched until ``wait``) into ``iter_X.tmp``, which exists on every rank by
+        now; ``meta`` (rank 0's only) is published once every rank's file is there, then
+        ``keep_last`` prunes."""
         assert self._job is None, "a save is in flight: wait() first"
-        self._snapshot.capture(local)
-        iteration = header["iteration"]
+        iteration = payload["iteration"]
         job = _Job(iteration, io.iteration_dir(root, iteration))
-        payload = {"chunks": self._snapshot.chunks, **header}
         job.thread = threading.Thread(target=self._run, args=(job, root, payload, meta,
                                                               keep_last),
                                       name=f"checkpoint-save-{iteration}", daemon=True)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from megatron3d.errors import CheckpointError
-from megatron3d.mpu.meta import ParamMeta, get_meta
+from megatron3d.mpu.meta import ParamMeta
 from megatron3d.mpu.replicas import counted_once
 from megatron3d.mpu.sharding import tp_shard, tp_unshard
 from megatron3d.mpu.state import ParallelState
@@ -51,15 +51,6 @@ def owned_parts(params: list[nn.Parameter], shard: Shard, state: ParallelState,
         if owns(p, state, zero_stage):
             for start, end, offset in shard.parts_of(p):
                 yield p, start, end, offset
-
-
-def make_chunks(params: list[nn.Parameter], shard: Shard, local: dict[str, torch.Tensor],
-                state: ParallelState, zero_stage: int, kinds: Iterable[str]) -> list[dict]:
-    """This rank's chunks of every kind in ``kinds`` (copied to CPU)."""
-    return [new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size, tuple(p.shape), start,
-                      end, local[kind][offset:offset + end - start].detach().cpu().clone())
-            for p, start, end, offset in owned_parts(params, shard, state, zero_stage)
-            for kind in kinds]
 
 
 def new_chunk(meta: ParamMeta, kind: str, tp_rank: int, tp_size: int,

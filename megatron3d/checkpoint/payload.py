@@ -1,7 +1,7 @@
 """What a rank file must hold, checked as it is read, before anything uses it.
 
 A rank file is a ``torch.save`` of ``{"chunks": [...], "rng": {...}, "iteration", "rank",
-"layout"}`` (see ``saving.save`` and ``chunks.make_chunks``). The weights-only unpickler
+"layout"}`` (see ``saving.save`` and ``snapshot.HostSnapshot``). The weights-only unpickler
 guarantees tensors and plain data only; a damaged or hand-edited file can still hold a chunk
 whose ``tp_rank`` is out of range or whose ``data`` is no float32 tensor of ``end - start``
 elements, or RNG states that ``random``, numpy or torch refuse with a traceback (or accept,

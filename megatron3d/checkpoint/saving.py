@@ -3,9 +3,11 @@
 What a checkpoint holds: the fp32 weights and Adam moments as layout-free chunks (see
 ``chunks.py``), Adam's step, the loss scaler, the iteration and consumed samples/tokens (which
 fix the data position, batch size and learning rate), the resolved learning-rate schedule,
-every rank's RNG states, the full configuration and the layout it was saved with. A save
-blocks until the checkpoint is published, or with --async-save only until the state is in
-host memory (``async_save.py`` writes and publishes it while training goes on).
+every rank's RNG states, the full configuration and the layout it was saved with. The state
+goes to host memory straight from the optimizer's tensors (``snapshot.py``: no copy of it on
+the device). A save blocks until the checkpoint is published, or with --async-save only until
+the state is in host memory (``async_save.py`` writes and publishes it while training goes
+on).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from torch import nn
 
 from megatron3d.checkpoint import chunk_index, io
 from megatron3d.checkpoint.async_save import BackgroundSave
-from megatron3d.checkpoint.chunks import KINDS, make_chunks
 from megatron3d.checkpoint.progress import Progress
+from megatron3d.checkpoint.snapshot import HostSnapshot
 from megatron3d.config import TrainConfig
 from megatron3d.errors import TrainingError
 from megatron3d.log import get_logger
@@ -57,13 +59,16 @@ class Saver:
         self.root = cfg.checkpoint.save
         self.cfg, self.state, self.params, self.optimizer = cfg, state, params, optimizer
         self.rng, self.lr_schedule, self.series = rng, lr_schedule, series
-        self.background = (BackgroundSave(params, optimizer.shard, state,
-                                          cfg.parallel.zero_stage)
+        self.background = (BackgroundSave(state, optimizer.shard.grads.device)
                            if cfg.checkpoint.async_save else None)
+        self._snapshot: HostSnapshot | None = None  # allocated at the first save
 
     def __call__(self, progress: Progress) -> str:
-        save(self.root, self.cfg, self.state, self.params, self.optimizer, progress,
-             self.series, self.rng, self.lr_schedule, self.background)
+        if self._snapshot is None:
+            self._snapshot = HostSnapshot(self.params, self.optimizer.shard, self.state,
+                                          self.cfg.parallel.zero_stage)
+        save(self.root, self.cfg, self.state, self.optimizer, progress, self.series, self.rng,
+             self.lr_schedule, self._snapshot, self.background)
         return str(io.iteration_dir(Path(self.root), progress.iteration))
 
     def wait(self) -> None:
@@ -72,23 +77,23 @@ class Saver:
             self.background.wait()
 
 
-def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
-         optimizer: MixedPrecisionOptimizer, progress: Progress, series: str, rng: RNGStreams,
-         lr_schedule: LRSchedule, background: BackgroundSave | None = None) -> None:
-    """Every rank writes its own file; rank 0 publishes the checkpoint when all are done.
-    Non-finite weights or moments are refused on every rank before anything is written; a
-    write that fails (a full disk, a path that changed) is a ``CheckpointError`` on the rank
-    that met it, and the checkpoints already published stay as they were. With ``background``
-    (--async-save) the save before is finished first, and this returns once the state is in
-    host memory: the files are written and published while training goes on."""
+def save(root: str, cfg: TrainConfig, state: ParallelState, optimizer: MixedPrecisionOptimizer,
+         progress: Progress, series: str, rng: RNGStreams, lr_schedule: LRSchedule,
+         snapshot: HostSnapshot, background: BackgroundSave | None = None) -> None:
+    """Every rank writes its own file (its part of the optimizer state, copied through
+    ``snapshot``); rank 0 publishes the checkpoint when all are done. Non-finite weights or
+    moments are refused on every rank before anything is written; a write that fails (a full
+    disk, a path that changed) is a ``CheckpointError`` on the rank that met it, and the
+    checkpoints already published stay as they were. With ``background`` (--async-save) the
+    save before is finished first, and this returns once the state is in host memory: the
+    files are written and published while training goes on."""
     path = Path(root)
     staging = io.staging_dir(path, progress.iteration)
     if background is not None:
-        background.wait()  # at most one save in flight
+        background.wait()  # at most one save in flight: the snapshot is free again
     if _published(path, progress.iteration, series, state, optimizer.shard.grads.device):
         return
-    local = optimizer.local_state()
-    _check_finite(local, state, progress.iteration, path)
+    _check_finite(snapshot.capture(optimizer.live_state), state, progress.iteration, path)
     if state.world_rank == 0:
         with io.writing(path):
             io.clear_for_save(path, progress.iteration)
@@ -96,14 +101,14 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
     comm.barrier(state.world)
     header = {"rng": _capture_rng(rng), "iteration": progress.iteration,  # see safety.py
               "rank": state.world_rank, "layout": layout(cfg, state)}
-    meta = (_meta(cfg, state, optimizer, progress, series, local, lr_schedule)
+    meta = (_meta(cfg, state, optimizer, progress, series, lr_schedule)
             if state.world_rank == 0 else None)
+    payload = {"chunks": snapshot.chunks, **header}
     if background is not None:
-        background.start(path, local, header, meta, cfg.checkpoint.keep_last_n)
+        background.start(path, payload, meta, cfg.checkpoint.keep_last_n)
         return
-    chunks = make_chunks(params, optimizer.shard, local, state, cfg.parallel.zero_stage, KINDS)
     with io.writing(path):
-        io.write_rank(staging, state.world_rank, {"chunks": chunks, **header})
+        io.write_rank(staging, state.world_rank, payload)
     comm.barrier(state.world)
     if meta is not None:
         chunk_index.finish(path, meta, cfg.checkpoint.keep_last_n)
@@ -113,12 +118,11 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, params: list[nn.Para
 
 
 def _meta(cfg: TrainConfig, state: ParallelState, optimizer: MixedPrecisionOptimizer,
-          progress: Progress, series: str, local: dict[str, torch.Tensor],
-          lr_schedule: LRSchedule) -> dict[str, Any]:
+          progress: Progress, series: str, lr_schedule: LRSchedule) -> dict[str, Any]:
     """meta.json: the run's position and series, Adam's step, the loss scaler, the resolved
     learning-rate schedule, the configuration and the layout."""
     return {"format_version": io.FORMAT_VERSION, **dataclasses.asdict(progress), "series": series,
-            "adam_step": float(local["step"]), "layout": layout(cfg, state),
+            "adam_step": optimizer.adam_step(), "layout": layout(cfg, state),
             "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler else None,
             "lr_schedule": dataclasses.asdict(lr_schedule), "config": dataclasses.asdict(cfg)}
 
@@ -131,11 +135,10 @@ def _published(root: Path, iteration: int, series: str, state: ParallelState,
     return comm.any_rank(mine, state.world, device)
 
 
-def _check_finite(local: dict[str, torch.Tensor], state: ParallelState, iteration: int,
-                  root: Path) -> None:
-    """Raise on every rank if any rank's fp32 weights or Adam moments hold a NaN/Inf, so a
-    save never replaces a good checkpoint with a poisoned one (one sync, at save time)."""
-    bad = torch.stack([~torch.isfinite(local[k]).all() for k in KINDS]).any().float()
+def _check_finite(bad: torch.Tensor, state: ParallelState, iteration: int, root: Path) -> None:
+    """Raise on every rank if any rank's fp32 weights or Adam moments hold a NaN/Inf
+    (``bad``: this rank's flag), so a save never replaces a good checkpoint with a poisoned
+    one (one sync, at save time)."""
     if comm.all_reduce(bad.reshape(1), state.world, op=comm.MAX).item():
         raise TrainingError(
             f"the weights at iteration {iteration} are not finite (NaN/Inf in the fp32 weights "

@@ -109,7 +109,7 @@ def _description(chunk: dict) -> tuple:
 
 def _what_i_write(params: list[nn.Parameter], shard: Shard, state: ParallelState,
                   zero_stage: int, kinds: tuple[str, ...]) -> Counter:
-    """The descriptions of the chunks of ``kinds`` this rank saves (``chunks.make_chunks``)."""
+    """The descriptions of the chunks of ``kinds`` this rank saves (``snapshot.HostSnapshot``)."""
     return Counter(_description(new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size,
                                           tuple(p.shape), start, end, None))
                    for p, start, end, _ in owned_parts(params, shard, state, zero_stage)

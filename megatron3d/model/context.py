@@ -25,7 +25,9 @@ from megatron3d.mpu.state import AxisGroup
 class LayerContext:
     """``rng``: the model-parallel dropout stream; None runs all dropout on the default
     stream (fine for a single process, wrong across TP ranks). ``draw_weights``: False when a
-    checkpoint will fill the weights (--load): they start at zero and nothing is drawn."""
+    checkpoint will fill the weights (--load): they start at zero and nothing is drawn.
+    ``defer_init``: parameters are built on the meta device, without storage; the ZeRO
+    stage allocates it and draws each rank's share there (``mpu/init.py``)."""
 
     cfg: ModelConfig
     tp: AxisGroup
@@ -35,10 +37,16 @@ class LayerContext:
     rng: RNGStreams | None = None
     sequence_parallel: bool = False
     draw_weights: bool = True
+    defer_init: bool = False
 
     def tp_region_rng(self) -> contextlib.AbstractContextManager:
         """Where dropout acts on TP-split activations: a stream that differs per TP rank."""
         return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+
+    @property
+    def param_device(self) -> torch.device | None:
+        """Where parameters are created (buffers such as RoPE tables go on ``device``)."""
+        return torch.device("meta") if self.defer_init else self.device
 
     @property
     def init_std(self) -> float:
@@ -92,7 +100,7 @@ class LayerContext:
     def layer_kwargs(self) -> dict:
         """Keyword arguments shared by every mpu parallel layer."""
         return {"tp": self.tp, "seed": self.seed, "params_dtype": self.params_dtype,
-                "device": self.device, "draw_weights": self.draw_weights}
+                "device": self.param_device, "draw_weights": self.draw_weights}
 
 
 @contextlib.contextmanager

@@ -16,10 +16,10 @@ from torch import nn
 
 from megatron3d.model.context import LayerContext
 from megatron3d.model.norm import Norm
+from megatron3d.mpu.init import Constant, Normal, fill
 from megatron3d.mpu.layers import VocabParallelEmbedding, linear_with_sequence_gather
 from megatron3d.mpu.mappings import copy_to_tp_region, reduce_scatter_to_sequence_region
 from megatron3d.mpu.meta import ParamMeta, get_meta, set_meta
-from megatron3d.mpu.random import fill_normal
 
 WORD_EMBEDDINGS = "embedding.word_embeddings"
 TIED_KEY = "word_embeddings"
@@ -46,11 +46,12 @@ class InputEmbedding(nn.Module):
         if cfg.position_embedding_type == "learned_absolute":
             name = "embedding.position_embeddings.weight"
             shape = (cfg.max_positions, cfg.hidden_size)
-            table = torch.zeros(shape, dtype=ctx.params_dtype, device=ctx.device)  # [p, h]
-            if ctx.draw_weights:  # TP-replicated: every TP rank draws all of it
-                fill_normal(table, ctx.init_std, ctx.seed, name, shape)
+            init = (Normal(ctx.init_std, ctx.seed, name, shape, 0, ((0, shape[0]),))
+                    if ctx.draw_weights else Constant(0.0))  # TP-replicated: all of it
+            table = torch.empty(shape, dtype=ctx.params_dtype, device=ctx.param_device)
             self.position_embeddings = set_meta(
-                nn.Parameter(table), ParamMeta(name=name, sequence_parallel=ctx.sequence_parallel))
+                nn.Parameter(fill(init, table)),  # [p, h]
+                ParamMeta(name=name, sequence_parallel=ctx.sequence_parallel, init=init))
         self.ctx = ctx
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

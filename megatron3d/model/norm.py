@@ -7,12 +7,16 @@ from torch import nn
 
 from megatron3d import kernels
 from megatron3d.model.context import LayerContext
+from megatron3d.mpu.init import Constant, fill
 from megatron3d.mpu.meta import ParamMeta, set_meta
 
 
-def _param(value: torch.Tensor, name: str, sequence_parallel: bool) -> nn.Parameter:
-    return set_meta(nn.Parameter(value), ParamMeta(name=name, no_weight_decay=True,
-                                                   sequence_parallel=sequence_parallel))
+def _param(size: int, value: float, name: str, sequence_parallel: bool,
+           opts: dict) -> nn.Parameter:
+    init = Constant(value)
+    return set_meta(nn.Parameter(fill(init, torch.empty(size, **opts))),
+                    ParamMeta(name=name, no_weight_decay=True,
+                              sequence_parallel=sequence_parallel, init=init))
 
 
 class Norm(nn.Module):
@@ -22,12 +26,12 @@ class Norm(nn.Module):
     def __init__(self, ctx: LayerContext, name: str) -> None:
         super().__init__()
         h, kind = ctx.cfg.hidden_size, ctx.cfg.normalization
-        opts = {"dtype": ctx.params_dtype, "device": ctx.device}
+        opts = {"dtype": ctx.params_dtype, "device": ctx.param_device}
         self.eps = ctx.cfg.layernorm_epsilon
         self.rms = kind == "rmsnorm"
         sp = ctx.sequence_parallel
-        self.weight = _param(torch.ones(h, **opts), f"{name}.weight", sp)
-        self.bias = None if self.rms else _param(torch.zeros(h, **opts), f"{name}.bias", sp)
+        self.weight = _param(h, 1.0, f"{name}.weight", sp, opts)
+        self.bias = None if self.rms else _param(h, 0.0, f"{name}.bias", sp, opts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:

@@ -11,6 +11,7 @@ callers that must not modify their input clone first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -99,12 +100,19 @@ def start_all_reduce(t: torch.Tensor, axis: AxisGroup, tag: object = None) -> di
 
 
 def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
-                         tag: object = None) -> dist.Work | None:
-    """Begin summing flat ``t`` over the axis into ``out`` (this rank's 1/size chunk)."""
+                         tag: object = None) -> Work | None:
+    """Begin summing flat ``t`` over the axis into ``out`` (this rank's 1/size chunk). ``t``
+    is the caller's scratch: on gloo it is summed in place (``_in_place``). ``out`` may be
+    this rank's own chunk of ``t`` (in place, no output buffer)."""
     if axis.size == 1:
         out.copy_(t)
         return None
     _check(axis, "reduce_scatter", t, tag=tag)
+    if _in_place(axis):
+        chunk = t[axis.rank * out.numel():(axis.rank + 1) * out.numel()]
+        work = dist.all_reduce(t, group=axis.group, async_op=True)
+        return work if out.data_ptr() == chunk.data_ptr() else _Then(work,
+                                                                    lambda: out.copy_(chunk))
     return _reduce_scatter_single(out, t, group=axis.group, async_op=True)
 
 
@@ -126,7 +134,34 @@ def start_all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
             out.copy_(t)
         return None
     _check(axis, "all_gather", t, tag=tag)
+    if _in_place(axis):  # every other chunk zero, then a sum: exactly the gathered values
+        n = t.numel()
+        mine = out[axis.rank * n:(axis.rank + 1) * n]
+        if mine.data_ptr() != t.data_ptr():
+            mine.copy_(t)
+        out[:axis.rank * n].zero_()
+        out[(axis.rank + 1) * n:].zero_()
+        return dist.all_reduce(out, group=axis.group, async_op=True)
     return _all_gather_single(out, t, group=axis.group, async_op=True)
+
+
+def _in_place(axis: AxisGroup) -> bool:
+    """gloo runs an all-gather or reduce-scatter into a tensor as an all-reduce of a
+    temporary copy of the whole buffer; the same all-reduce in the caller's own buffers
+    needs no copy and, measured on 4 CPU ranks with 28 MB buffers, takes half the time of
+    gloo's own. NCCL does both in place natively."""
+    return dist.get_backend(axis.group) == "gloo"
+
+
+class _Then:
+    """A posted collective, and what to do on the host once it is done."""
+
+    def __init__(self, work: Work, then: Callable[[], object]) -> None:
+        self._work, self._then = work, then
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._then()
 
 
 def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:

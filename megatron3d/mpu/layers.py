@@ -21,6 +21,7 @@ from torch import nn
 
 from megatron3d.errors import ConfigError
 from megatron3d.mpu import comm
+from megatron3d.mpu.init import Constant, Init, Normal, fill
 from megatron3d.mpu.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -29,7 +30,6 @@ from megatron3d.mpu.mappings import (
     scatter_to_tp_region,
 )
 from megatron3d.mpu.meta import ParamMeta, set_meta
-from megatron3d.mpu.random import fill_normal
 from megatron3d.mpu.state import AxisGroup
 
 Device = torch.device | str | None
@@ -56,16 +56,21 @@ def _tp_ranges(length: int, tp: AxisGroup, what: str, stride: int = 1) -> list[t
 
 
 def _weight(shape: tuple[int, int], dim: int, ranges: list[tuple[int, int]], std: float,
-            seed: int, name: str, draw: bool, dtype: torch.dtype,
-            device: Device) -> torch.Tensor:
+            seed: int, name: str, draw: bool, dtype: torch.dtype, device: Device,
+            local_rows: int | None = None) -> tuple[torch.Tensor, Init]:
     """This rank's slices ``ranges`` along ``dim`` of the logical weight ``shape``, drawn in
-    place; zeros when ``draw`` is False, for a checkpoint to overwrite."""
+    place (nothing on the meta device), and how: zeros when ``draw`` is False, for a
+    checkpoint to overwrite. ``local_rows``: the local size along ``dim`` when it exceeds
+    the slices (zero padding rows after them)."""
     local = list(shape)
-    local[dim] = sum(end - start for start, end in ranges)
-    if not draw:
-        return torch.zeros(local, dtype=dtype, device=device)
-    out = torch.empty(local, dtype=dtype, device=device)
-    return fill_normal(out, std, seed, name, shape, dim, ranges)
+    local[dim] = local_rows or sum(end - start for start, end in ranges)
+    init: Init = (Normal(std, seed, name, tuple(shape), dim, tuple(ranges)) if draw
+                  else Constant(0.0))
+    return fill(init, torch.empty(local, dtype=dtype, device=device)), init
+
+
+def _zeros(size: int, dtype: torch.dtype, device: Device) -> torch.Tensor:
+    return torch.zeros(size, dtype=dtype, device=device)
 
 
 def _param(data: torch.Tensor, meta: ParamMeta) -> nn.Parameter:
@@ -128,16 +133,17 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         rows = _tp_ranges(out_features, tp, f"{name}: output features", stride)
-        weight = _weight((out_features, in_features), 0, rows, init_std, seed, f"{name}.weight",
-                         draw_weights, params_dtype, device)  # [out/tp, in]
+        weight, init = _weight((out_features, in_features), 0, rows, init_std, seed,
+                               f"{name}.weight", draw_weights, params_dtype,
+                               device)  # [out/tp, in]
         self.weight = _param(weight, ParamMeta(name=f"{name}.weight", tp_split_dim=0,
-                                               tp_stride=stride))
+                                               tp_stride=stride, init=init))
         self.bias = None
         if bias:
-            self.bias = _param(torch.zeros(weight.shape[0], dtype=params_dtype,
-                                           device=device),  # [out/tp]
+            self.bias = _param(_zeros(weight.shape[0], params_dtype, device),  # [out/tp]
                                ParamMeta(name=f"{name}.bias", no_weight_decay=True,
-                                         tp_split_dim=0, tp_stride=stride))
+                                         tp_split_dim=0, tp_stride=stride,
+                                         init=Constant(0.0)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # [s/tp, b, in] -> [s, b, out/tp]
@@ -175,15 +181,17 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         columns = _tp_ranges(in_features, tp, f"{name}: input features")
-        weight = _weight((out_features, in_features), 1, columns, init_std, seed,
-                         f"{name}.weight", draw_weights, params_dtype, device)  # [out, in/tp]
-        self.weight = _param(weight, ParamMeta(name=f"{name}.weight", tp_split_dim=1))
+        weight, init = _weight((out_features, in_features), 1, columns, init_std, seed,
+                               f"{name}.weight", draw_weights, params_dtype,
+                               device)  # [out, in/tp]
+        self.weight = _param(weight, ParamMeta(name=f"{name}.weight", tp_split_dim=1,
+                                               init=init))
         self.bias = None
         if bias:
-            self.bias = _param(torch.zeros(out_features, dtype=params_dtype,
-                                           device=device),  # [out]
+            self.bias = _param(_zeros(out_features, params_dtype, device),  # [out]
                                ParamMeta(name=f"{name}.bias", no_weight_decay=True,
-                                         sequence_parallel=sequence_parallel))
+                                         sequence_parallel=sequence_parallel,
+                                         init=Constant(0.0)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -220,17 +228,15 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         [(self.vocab_start, self.vocab_end)] = _tp_ranges(
             num_embeddings, tp, f"{name}: padded vocabulary size")
-        weight = torch.zeros(self.vocab_end - self.vocab_start, embedding_dim,
-                             dtype=params_dtype, device=device)  # [v_pad/tp, h]
         # This rank's rows of the logical table [logical_vocab_size, h] come first; the padding
         # rows after them stay zero, so the padded size never changes a value.
-        real = min(self.vocab_end, logical_vocab_size) - self.vocab_start
-        if draw_weights and real > 0:
-            fill_normal(weight[:real], init_std, seed, f"{name}.weight",
-                        (logical_vocab_size, embedding_dim), 0,
-                        [(self.vocab_start, self.vocab_start + real)])
+        real = max(0, min(self.vocab_end, logical_vocab_size) - self.vocab_start)
+        weight, init = _weight((logical_vocab_size, embedding_dim), 0,
+                               [(self.vocab_start, self.vocab_start + real)] if real else [],
+                               init_std, seed, f"{name}.weight", draw_weights, params_dtype,
+                               device, self.vocab_end - self.vocab_start)  # [v_pad/tp, h]
         self.weight = _param(weight, ParamMeta(name=f"{name}.weight", tp_split_dim=0,
-                                               logical_rows=logical_vocab_size))
+                                               logical_rows=logical_vocab_size, init=init))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] (global token ids) -> embeddings [b, s, h]."""

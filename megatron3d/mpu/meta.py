@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron3d.mpu.init import Init
+
 _ATTR = "megatron3d_meta"
 
 
@@ -28,6 +30,8 @@ class ParamMeta:
         rest are padding that depends on the layout and is never part of the logical weight.
     sequence_parallel: a TP-replicated parameter applied to sequence-sharded activations, so
         each TP rank's gradient covers only its shard and must be all-reduced over TP.
+    init: how its initial value is made (``init.py``), so a parameter built on the meta
+        device can be drawn where it finally lives; None for foreign modules' parameters.
     """
 
     name: str
@@ -37,6 +41,7 @@ class ParamMeta:
     tied_key: str | None = None
     logical_rows: int | None = None
     sequence_parallel: bool = False
+    init: Init | None = None
 
 
 def set_meta(param: torch.nn.Parameter, meta: ParamMeta) -> torch.nn.Parameter:

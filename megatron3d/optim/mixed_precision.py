@@ -22,6 +22,7 @@ FusedAdam; ``local_state``/``load_local_state`` read and restore it in either pl
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,11 @@ class MixedPrecisionOptimizer:
         # Where each optimizer tensor sits in local coordinates, in param_groups order.
         self._locals = [(int(p.grad.data_ptr() - shard.grads.data_ptr()) // 4, p.numel())
                         for g in self.groups for p in g["params"]]
+        by_offset = sorted(zip((o for o, _ in self._locals),
+                               (p for g in self.groups for p in g["params"]), strict=True),
+                           key=lambda pair: pair[0])
+        self._starts = [offset for offset, _ in by_offset]
+        self._by_offset = [p for _, p in by_offset]
         self.inner = kernels.adamw(self.groups, lr=0.0, betas=(optim.adam_beta1,
                                    optim.adam_beta2), eps=optim.adam_eps)
         self.scaler = LossScaler.from_config(precision) if precision.fp16 else None
@@ -108,10 +114,22 @@ class MixedPrecisionOptimizer:
             for p, (local, n) in zip(params, self._locals, strict=True):
                 if p in self.inner.state:
                     result[key][local:local + n] = self.inner.state[p][key].view(-1)
-        result["step"] = torch.as_tensor(self._step_count())
+        result["step"] = torch.as_tensor(self.adam_step())
         return result
 
-    def _step_count(self) -> float:
+    def live_state(self, local: int, n: int) -> dict[str, torch.Tensor | None]:
+        """The fp32 weights and Adam moments of local elements [local, local + n), which lie
+        in one parameter's part, as views of the live tensors (what a save copies to host
+        memory, with no copy on the device). A moment is None before Adam's first step."""
+        i = bisect.bisect_right(self._starts, local) - 1
+        param, at = self._by_offset[i], local - self._starts[i]
+        assert at >= 0 and at + n <= param.numel(), "a range across two optimizer tensors"
+        state = self.inner.state.get(param, {})
+        return {"weight": param.detach().view(-1)[at:at + n],
+                **{k: state[k].view(-1)[at:at + n] if k in state else None
+                   for k in ("exp_avg", "exp_avg_sq")}}
+
+    def adam_step(self) -> float:
         """Adam's step: from the per-parameter state if present (torch), else from the param
         groups (apex FusedAdam), else 0 (no step taken yet)."""
         groups = self.inner.param_groups

@@ -1,7 +1,8 @@
 """Weights shared by layers on different pipeline stages (tied input/output embeddings).
 
-Each stage holding a tied weight owns a copy. The copies start equal (the first stage's copy
-is broadcast), get the same gradient every step (the training step all-reduces the copies'
+Each stage holding a tied weight owns a copy. The copies start equal (every stage draws the
+same position-seeded values, ``mpu/init.py``; checked at start), get the same gradient every
+step (the training step all-reduces the copies'
 gradients over ``embedding`` before clipping and the optimizer), and so stay bitwise
 identical. Only the first stage counts the weight in the gradient norm.
 """
@@ -34,8 +35,3 @@ class TiedWeights:
             if comm.all_reduce(same, self.embedding, op=comm.MIN).item() < 1:
                 raise RuntimeError(f"tied copies of {get_meta(p).name} differ across pipeline "
                                    f"stages {list(self.embedding.ranks)}; this is a bug")
-
-    def broadcast_from_first_stage(self) -> None:
-        with torch.no_grad():
-            for p in self.params:
-                comm.broadcast(p.data, self.embedding, src_index=0)

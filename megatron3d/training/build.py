@@ -88,18 +88,18 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         iteration_based=cfg.training.train_iters is not None))  # before the model: may refuse
     rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev)
     # A checkpoint to load fills every weight: then nothing is drawn and the weights start at
-    # zero, equal on all copies for the tied broadcast and replica checks until it does.
+    # zero, equal on all copies for the replica checks until it does. The stage is built on
+    # the meta device; the ZeRO stage allocates its storage and draws this rank's share.
     directory = find(cfg.checkpoint.load) if cfg.checkpoint.load else None
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel,
-                       draw_weights=directory is None)
+                       draw_weights=directory is None, defer_init=True)
     logger.info(format_padded_vocab(cfg.model.vocab_size, ctx.padded_vocab_size))
     size = model_size(ctx)
     engine = _wrapped(given.engine, build_engine(cfg, state, ctx, size))
     params = list(engine.stage.parameters())
     tied = TiedWeights(params, state.embedding)
-    tied.broadcast_from_first_stage()
     data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp,
                                         cfg.parallel, functools.partial(counted_once, state),
                                         dev, tuple(len(chunk.layers) for chunk in engine.chunks))
@@ -109,12 +109,15 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     def check_replicas() -> None:
         check_tp_replicas(data_parallel.values_of(params), state.tp)
 
-    check_replicas()
+    def check_copies() -> None:  # drawn alike by construction, loaded alike by design
+        check_replicas()
+        tied.check_identical(data_parallel.values_of(tied.params))
+
+    check_copies()
     optimizer = build_optimizer(cfg, state, data_parallel, params)
     progress, series = _resume(cfg, state, params, optimizer, rng, directory)
     if cfg.checkpoint.load:  # copies must agree after loading as they did at start
-        check_replicas()
-        tied.check_identical(data_parallel.values_of(tied.params))
+        check_copies()
     logger.info("model: %s parameters on this rank, %s unique parameters in total (all stages "
                 "and TP shards, a tied embedding once)", f"{sum(p.numel() for p in params):,}",
                 f"{size.unique:,}")

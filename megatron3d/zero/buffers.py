@@ -1,7 +1,9 @@
 """Contiguous buffers behind the model's parameters and their fp32 gradients (ZeRO-0 and 1).
 
-Every parameter becomes a view into one flat buffer of the model dtype, and its gradient
-(``param.main_grad``) a view into one flat fp32 buffer, both laid out by a ``FlatLayout``.
+Every parameter becomes a view into one flat buffer of the model dtype (a parameter built on
+the meta device is drawn there, in place: no second copy of the stage ever exists), and its
+gradient (``param.main_grad``) a view into one flat fp32 buffer, both laid out by a
+``FlatLayout``.
 Zeroing, clipping, data-parallel reduction and ZeRO-1 sharding then work on a few large
 tensors.
 
@@ -19,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from megatron3d.mpu.init import bind
+from megatron3d.mpu.meta import get_meta
 from megatron3d.zero.layout import FlatLayout
 
 
@@ -37,9 +41,7 @@ class FlatBuffers:
                 self._bind(p, layout.offset_of(p), index)
 
     def _bind(self, p: nn.Parameter, offset: int, bucket: int) -> None:
-        view = self.params[offset:offset + p.numel()].view_as(p)
-        view.copy_(p.data)
-        p.data = view
+        bind(p, self.params[offset:offset + p.numel()], get_meta(p).init)
         p.main_grad = self.grads[offset:offset + p.numel()].view_as(p)
         if p.dtype == torch.float32:
             p.grad = p.main_grad

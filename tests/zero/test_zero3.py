@@ -147,7 +147,7 @@ def _memory(*flags: str) -> dict:
     def snapshot(_it, _result) -> None:
         dp = trainer.model.data_parallel
         tensors = [dp.shard.local_params, dp.shard.grads,
-                   *(t for s in dp.slots for t in (s.params, s.grads, s.reduced))]
+                   *(t for s in dp.slots for t in (s.params, s.grads))]
         pointers.append(([t.data_ptr() for t in tensors],
                          memory.measured(trainer.model.optimizer, dp)))
 

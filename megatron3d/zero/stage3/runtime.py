@@ -3,7 +3,9 @@ replay the fetch plan.
 
 Construction shards every unit: this rank keeps the r-th 1/DP of each unit's flat, padded
 parameters (``Shard.local_params``; the optimizer's fp32 master shard sits beside it) and its
-fp32 gradient shard, and every parameter becomes a permanent view into its unit's slot.
+fp32 gradient shard, and every parameter becomes a permanent view into its unit's slot. The
+stage is built on the meta device and each rank draws only its own ranges
+(``mpu/init.fill_flat``), so no rank ever holds more of its stage unsharded than its slots.
 
 The pipeline engine announces each program (``begin``), each finished instruction
 (``after``) and the end (``end``); forward pre/post hooks on the stage's layers and a hook on
@@ -25,6 +27,8 @@ from torch import nn
 
 from megatron3d.config import ParallelConfig
 from megatron3d.mpu import comm
+from megatron3d.mpu.init import bind, fill_flat
+from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.instructions import Backward
 from megatron3d.zero.layout import Counted, FlatLayout
@@ -73,25 +77,26 @@ class Zero3:
         sizes: dict[int, int] = {}
         for unit, slot in self.slot_of.items():
             sizes[slot] = max(sizes.get(slot, 0), self.layout.buckets[unit].numel)
-        return [Slot(sizes[s], dtype, wire, self.dp.size, device) for s in range(len(sizes))]
+        return [Slot(sizes[s], dtype, wire, device) for s in range(len(sizes))]
 
     def _shard_and_bind(self) -> None:
-        """Keep this rank's slice of each unit; point every parameter into its slot."""
-        for unit, (bucket, piece) in enumerate(zip(self.layout.buckets, self.shard.pieces,
-                                                   strict=True)):
-            flat = torch.zeros(bucket.numel, dtype=self.shard.params_dtype,
-                               device=self.shard.grads.device)
+        """Draw this rank's slice of each unit into its shard (the parameters were built on
+        the meta device: nothing else of them ever exists here); point every parameter into
+        its unit's slot, which each gather fills."""
+        local = self.shard.local_params
+        for unit, bucket in enumerate(self.layout.buckets):
             slot = self.slots[self.slot_of[unit]]
             for p in bucket.params:
-                at = self.layout.offset_of(p) - bucket.start
-                flat[at:at + p.numel()] = p.detach().reshape(-1)
-                p.data = slot.params[at:at + p.numel()].view_as(p)
+                assert p.is_meta, "ZeRO-3 shards a stage built with LayerContext.defer_init"
+                offset = self.layout.offset_of(p)
+                for lo, hi, at in self.shard.overlaps(offset, offset + p.numel()):
+                    fill_flat(get_meta(p).init, p.shape, local[at:at + hi - lo], lo - offset,
+                              hi - offset)
+                at = offset - bucket.start
+                bind(p, slot.params[at:at + p.numel()])
                 p.main_grad = slot.grads[at:at + p.numel()].view_as(p)
                 p.grad = p.main_grad if p.dtype == torch.float32 else None
                 p.register_post_accumulate_grad_hook(lambda q, u=unit: self._on_grad(q, u))
-            n = piece.end - piece.start
-            self.shard.local_params[piece.local:piece.local + n] = flat[
-                self.dp.rank * n:(self.dp.rank + 1) * n]
 
     # -- the pipeline engine's observer ----------------------------------------------------
 

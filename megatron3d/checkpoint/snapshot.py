@@ -1,0 +1,74 @@
+"""The state a rank writes, copied to host memory without a second copy on the device.
+
+A save needs the fp32 weights and Adam moments of the parts this rank owns (``chunks.py``:
+its ZeRO slice, TP rank 0's replicated tensors, the first stage's tied copy; without ZeRO,
+data-parallel rank 0 only). They are copied straight from the optimizer's live tensors into
+one host buffer (pinned on GPUs, so each copy is a DMA the host need not wait for), allocated
+once at the first save and reused, whose slices are the data of the rank's chunks: a rank
+file then holds the buffer as one storage. On the device a save allocates only the
+non-finite check of one piece at a time (``PIECE`` elements, a bool each): no copy of the
+optimizer state exists there, so a run that fits its steps fits its saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from megatron3d import device as devices
+from megatron3d.checkpoint.chunks import KINDS, new_chunk, owned_parts
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.state import ParallelState
+from megatron3d.zero.shard import Shard
+
+PIECE = 16 * 2**20  # elements checked for NaN/Inf at once: a 16 MiB bool temporary at most
+
+LiveState = Callable[[int, int], dict[str, torch.Tensor | None]]
+"""(local offset, length) -> each kind's live fp32 values there (None: all zero)."""
+
+
+class HostSnapshot:
+    """The host buffer [kind, owned elements] and the chunks whose data are its slices, in
+    ``chunks.owned_parts`` order (the order a same-layout load expects)."""
+
+    def __init__(self, params: list[nn.Parameter], shard: Shard, state: ParallelState,
+                 zero_stage: int) -> None:
+        parts = list(owned_parts(params, shard, state, zero_stage))
+        total = sum(end - start for _, start, end, _ in parts)
+        self.device = shard.grads.device
+        self._buffer = devices.host_buffer((len(KINDS), total), torch.float32)
+        self._spans: list[tuple[int, int, int]] = []  # (local offset, buffer offset, length)
+        self.chunks: list[dict] = []
+        at = 0
+        for p, start, end, local in parts:
+            n = end - start
+            self.chunks += [new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size,
+                                      tuple(p.shape), start, end, self._buffer[k, at:at + n])
+                            for k, kind in enumerate(KINDS)]
+            self._spans.append((local, at, n))
+            at += n
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.nbytes
+
+    def capture(self, live: LiveState) -> torch.Tensor:
+        """Copy the owned parts of the live state in (one device sync at the end); returns
+        1.0 on the device if any copied value is NaN or Inf, else 0.0."""
+        bad = torch.zeros((), device=self.device)
+        for local, at, n in self._spans:
+            for lo in range(0, n, PIECE):
+                m = min(PIECE, n - lo)
+                values = live(local + lo, m)
+                for k, kind in enumerate(KINDS):
+                    target, source = self._buffer[k, at + lo:at + lo + m], values[kind]
+                    if source is None:
+                        target.zero_()
+                        continue
+                    target.copy_(source, non_blocking=True)
+                    finite = torch.isfinite(source).all()
+                    bad = torch.maximum(bad, (~finite).float())
+        devices.synchronize(self.device)
+        return bad
