@@ -187,7 +187,7 @@ class Zero3:
     def gather_params(self) -> None:
         """Nothing after the step: units are gathered from the shards when they next run."""
 
-    def before_last_backward(self) -> None:
+    def before_last_backward(self, chunk: int) -> None:
         """Nothing: gradients are reduce-scattered per micro-batch, as the plan says."""
 
     def finish(self) -> None:
