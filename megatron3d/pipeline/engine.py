@@ -25,6 +25,7 @@ communication overlaps the computation in between (Megatron's --overlap-p2p-comm
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -80,18 +81,20 @@ class PipelineEngine:
             self._handshake()
 
     def forward_backward(self, batches: list[Batch], loss_scale: float,
-                         before_last_backward: Callable[[], None] | None = None,
+                         before_last_backward: Callable[[int], None] | None = None,
                          ) -> torch.Tensor:
         """Accumulate gradients of ``loss_scale * mean(micro-batch losses)``; return the mean
         loss on the last stage (zero elsewhere), detached, on the device.
-        ``before_last_backward`` runs just before the backward that makes gradients final
-        (data-parallel reduction starts from there, overlapping that backward)."""
+        ``before_last_backward(chunk)`` runs just before each model chunk's last backward,
+        the one that makes its gradients final (data-parallel reduction of that chunk starts
+        from there, overlapping the backward work still to run)."""
         p, r, m, v = self.pp.size, self.pp.rank, len(batches), len(self.chunks)
         program = (interleaved_1f1b(p, r, m, v) if v > 1
                    else schedule_for(self.schedule, p, r, m))
         if before_last_backward is not None:
-            last = max(i for i, step in enumerate(program) if isinstance(step, Backward))
-            program.insert(last, _Call(before_last_backward))
+            last = {step.chunk: i for i, step in enumerate(program) if isinstance(step, Backward)}
+            for chunk, i in sorted(last.items(), key=lambda item: item[1], reverse=True):
+                program.insert(i, _Call(functools.partial(before_last_backward, chunk)))
         return self._run(program, batches, loss_scale / len(batches))
 
     def forward_only(self, batches: list[Batch]) -> torch.Tensor:

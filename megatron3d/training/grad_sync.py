@@ -1,7 +1,7 @@
 """Every gradient reduction between backward and the optimizer step, in one place.
 
-Order: data-parallel reductions (ZeRO-0/1 buckets started during the last backward and
-completed here; ZeRO-3's per-micro-batch reduce-scatters are already done), then the sums over
+Order: data-parallel reductions (ZeRO-0/1 buckets started during each model chunk's last
+backward and completed here; ZeRO-3's reduce-scatters are already done), then the sums over
 tensor-parallel ranks of sequence-parallel replicated parameters, then the sum of tied
 embedding copies over the embedding group. All are sums, so the order does not change the
 result; each runs on the gradients this rank's optimizer reads (its ZeRO shard, or all).
@@ -28,8 +28,9 @@ class GradSync:
             [p for p in params if get_meta(p).sequence_parallel])
         self._tied = shard.grads_of(tied.params)
 
-    def before_last_backward(self) -> None:
-        self.data_parallel.before_last_backward()
+    def before_last_backward(self, chunk: int) -> None:
+        """Model chunk ``chunk``'s last backward of the step runs next (the engine's call)."""
+        self.data_parallel.before_last_backward(chunk)
 
     def __call__(self) -> None:
         self.data_parallel.finish()

@@ -2,10 +2,11 @@
 
 It returns the object the optimizer and the training step talk to, whatever the stage:
 ``shard`` (what this rank's optimizer updates), ``gather_params`` (after the step),
-``before_last_backward`` / ``finish`` (gradient reduction around the step's last backward),
-``observer`` (told the pipeline program; ZeRO-3 plans its gathers from it), ``values_of`` and
-``materialize`` (parameter values for checks, tests and exports), ``flush`` (before reading
-parameters outside a forward) and ``resident_bytes`` (the memory report).
+``before_last_backward(chunk)`` / ``finish`` (gradient reduction from each model chunk's last
+backward to the step's end), ``observer`` (told the pipeline program; ZeRO-3 plans its gathers
+from it), ``values_of`` and ``materialize`` (parameter values for checks, tests and exports),
+``flush`` (before reading parameters outside a forward) and ``resident_bytes`` (the memory
+report).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def build_data_parallel(params: list[nn.Parameter], layers: list[nn.Module], dp:
     ``parallel.zero_stage``; ``counted`` says which parameters this rank counts in the norm.
     ``chunk_sizes``: layers per model chunk under interleaving (default: one chunk)."""
     wire = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32
+    chunk_sizes = chunk_sizes or (len(layers),)
     if parallel.zero_stage == 3:
-        return Zero3(layers, dp, parallel, counted, wire, device,
-                     chunk_sizes or (len(layers),))
-    return Zero01(params, layers, dp, parallel, counted, wire, device)
+        return Zero3(layers, dp, parallel, counted, wire, device, chunk_sizes)
+    return Zero01(params, layers, dp, parallel, counted, wire, device, chunk_sizes)

@@ -24,6 +24,23 @@ Counted = Callable[[nn.Parameter], bool]
 """Whether this rank counts a parameter in the global grad norm (False for copies another
 rank also counts: TP replicas off TP rank 0, tied copies off the first stage)."""
 
+Chunks = dict[int, frozenset[int]]
+"""``id(param)`` -> the model chunks (interleaving) whose layers use it, from
+``param_chunks``; every parameter of a stage without interleaving is in chunk 0."""
+
+
+def param_chunks(layers: list[nn.Module], chunk_sizes: tuple[int, ...]) -> Chunks:
+    """Which chunks use each parameter of ``layers``, the first ``chunk_sizes[0]`` of which
+    form chunk 0, the next ``chunk_sizes[1]`` chunk 1, and so on."""
+    chunks: dict[int, frozenset[int]] = {}
+    layer = 0
+    for chunk, size in enumerate(chunk_sizes):
+        for module in layers[layer:layer + size]:
+            for p in module.parameters():
+                chunks[id(p)] = chunks.get(id(p), frozenset()) | {chunk}
+        layer += size
+    return chunks
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -67,17 +84,23 @@ class FlatLayout:
 
     @classmethod
     def bucketed(cls, params: list[nn.Parameter], counted: Counted, bucket_numel: int | None,
-                 align: int) -> FlatLayout:
+                 align: int, chunks: Chunks | None = None) -> FlatLayout:
         """ZeRO-0/1: tied parameters first (alone, so every stage holding a copy lays it out
         identically and the copies' ZeRO slices line up), then the rest in backward order
-        cut near ``bucket_numel`` elements, so a bucket completes early in backward."""
+        cut near ``bucket_numel`` elements, so a bucket completes early in backward. A bucket
+        never mixes parameters of different ``chunks``: it would wait for both chunks' last
+        backward."""
         tied = [p for p in params if get_meta(p).tied_key is not None]
         rest = [p for p in reversed(params) if get_meta(p).tied_key is None]
         groups = [[p] for p in tied]
         limit = bucket_numel or sum(p.numel() for p in rest) or 1
+        chunk_of = chunks or {}
         current: list[nn.Parameter] = []
         size = 0
         for p in rest:
+            if current and chunk_of.get(id(p)) != chunk_of.get(id(current[0])):
+                groups.append(current)
+                current, size = [], 0
             current.append(p)
             size += p.numel()
             if size >= limit:

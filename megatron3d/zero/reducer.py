@@ -1,12 +1,15 @@
-"""Data-parallel gradient reduction in buckets, overlapped with the last backward pass
+"""Data-parallel gradient reduction in buckets, overlapped with the last backward passes
 (ZeRO-0 and ZeRO-1).
 
-Gradients accumulate locally over a step's micro-batches; only the last micro-batch's
-backward produces final gradients. ``arm()`` is called just before that backward: from then
-on, the buffers' gradient hook counts down each parameter's bucket, and a bucket whose last
-gradient has arrived is divided by the DP size and reduced asynchronously while backward
-continues with earlier layers. ``finish()`` reduces whatever did not complete (parameters
-that got no gradient) and waits for everything.
+Gradients accumulate locally over a step's micro-batches; a model chunk's gradients are final
+once its last backward of the step has run (one chunk per stage, or ``v`` under
+interleaving, whose last backwards end at different times). ``arm(chunk)`` is called just
+before that backward: from then on, the buffers' gradient hook counts down each of the
+chunk's buckets, and a bucket whose last gradient has arrived is divided by the DP size and
+reduced asynchronously while backward continues with earlier layers and other chunks. A
+bucket of parameters several chunks use is armed with the last of them. ``finish()`` reduces
+whatever did not complete (parameters that got no gradient), waits for everything and ends
+the step.
 
 ZeRO-0 all-reduces each bucket in place. ZeRO-1 reduce-scatters it, so each rank receives
 only the averaged gradients of its own slice (``Shard``), which is all its optimizer needs.
@@ -21,17 +24,17 @@ import torch
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.zero.buffers import FlatBuffers
+from megatron3d.zero.layout import Chunks
 from megatron3d.zero.shard import Shard
 
 
 class GradReducer:
-    def __init__(self, buffers: FlatBuffers, shard: Shard, dp: AxisGroup,
+    def __init__(self, buffers: FlatBuffers, shard: Shard, dp: AxisGroup, chunks: Chunks,
                  reduce_dtype: torch.dtype = torch.float32) -> None:
+        """``chunks``: which model chunks use each parameter (``layout.param_chunks``)."""
         self.buffers, self.shard, self.dp = buffers, shard, dp
-        self._armed = False
-        self._remaining: list[int] = []
-        self._work: list = []
-        self._launched: set[int] = set()
+        self._chunks = _bucket_chunks(buffers, chunks)
+        self._reset()
         self._wire = self._wire_out = None
         if reduce_dtype != torch.float32 and dp.size > 1:
             self._wire = torch.empty_like(buffers.grads, dtype=reduce_dtype)
@@ -42,20 +45,33 @@ class GradReducer:
 
     @property
     def launched(self) -> frozenset[int]:
-        """Buckets whose reduction has started this step (tests check they start in backward)."""
+        """Buckets whose reduction has started this step, until ``finish`` (tests check they
+        start in backward)."""
         return frozenset(self._launched)
 
-    def arm(self) -> None:
-        """The next backward is the step's last: reduce buckets as they complete."""
-        self._armed = True
-        self._remaining = [len(b.params) for b in self.buffers.layout.buckets]
-        self._work, self._launched = [], set()
+    def _reset(self) -> None:
+        self._announced: set[int] = set()  # chunks whose last backward has begun
+        self._remaining: list[int | None] = [None] * len(self._chunks)  # None: not armed
+        self._work: list = []
+        self._launched: set[int] = set()
+
+    def arm(self, chunk: int) -> None:
+        """``chunk``'s next backward is its last of the step: reduce its buckets (those all
+        of whose chunks are now armed) as they complete."""
+        self._announced.add(chunk)
+        for index, chunks in enumerate(self._chunks):
+            if self._remaining[index] is None and chunks <= self._announced:
+                self._remaining[index] = len(self.buffers.layout.buckets[index].params)
 
     def _on_ready(self, index: int) -> None:
-        if not self._armed:
+        left = self._remaining[index]
+        if left is None:
             return
-        self._remaining[index] -= 1
-        if self._remaining[index] == 0:
+        if left == 0:
+            raise RuntimeError(f"a gradient of bucket {index} arrived after its reduction "
+                               "started; this is a bug")
+        self._remaining[index] = left - 1
+        if left == 1:
             self._launch(index)
 
     def _launch(self, index: int) -> None:
@@ -80,7 +96,7 @@ class GradReducer:
     def finish(self) -> None:
         """Complete every bucket's reduction (call after the last backward)."""
         if self.dp.size == 1:
-            self._armed = False
+            self._reset()
             if not self.shard.is_whole:  # a size-1 ZeRO-1 group: its slice is everything
                 self.shard.grads.copy_(self.buffers.grads)
             return
@@ -92,5 +108,10 @@ class GradReducer:
         if self._wire is not None:
             (self.buffers.grads if self.shard.is_whole else self.shard.grads).copy_(
                 self._wire_out)
-        self._armed = False
-        self._work = []
+        self._reset()
+
+
+def _bucket_chunks(buffers: FlatBuffers, chunks: Chunks) -> list[frozenset[int]]:
+    """The chunks whose layers use each bucket's parameters."""
+    return [frozenset().union(*(chunks.get(id(p), frozenset()) for p in bucket.params))
+            for bucket in buffers.layout.buckets]

@@ -17,7 +17,7 @@ from megatron3d.config import ParallelConfig
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.zero.buffers import FlatBuffers
 from megatron3d.zero.gather import ParamGatherer
-from megatron3d.zero.layout import Counted, FlatLayout
+from megatron3d.zero.layout import Counted, FlatLayout, param_chunks
 from megatron3d.zero.reducer import GradReducer
 from megatron3d.zero.shard import Shard
 
@@ -27,10 +27,12 @@ class Zero01:
 
     def __init__(self, params: list[nn.Parameter], layers: list[nn.Module], dp: AxisGroup,
                  parallel: ParallelConfig, counted: Counted, wire: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, chunk_sizes: tuple[int, ...]) -> None:
+        """``chunk_sizes``: how many of ``layers`` (in order) each model chunk holds."""
         sliced = parallel.zero_stage == 1
+        chunks = param_chunks(layers, chunk_sizes)
         layout = FlatLayout.bucketed(params, counted, parallel.reduce_bucket_size,
-                                     dp.size if sliced else 1)
+                                     dp.size if sliced else 1, chunks)
         self.params = params
         self.buffers = FlatBuffers(layout, params[0].dtype, device)
         if sliced:
@@ -39,7 +41,7 @@ class Zero01:
                                       zeroed=(self.buffers.grads,))
         else:
             self.shard = Shard.whole(layout, self.buffers.params, self.buffers.grads)
-        self.reducer = GradReducer(self.buffers, self.shard, dp, wire)
+        self.reducer = GradReducer(self.buffers, self.shard, dp, chunks, wire)
         self.gatherer = (ParamGatherer(self.buffers, self.shard, dp,
                                        parallel.overlap_param_gather, layers)
                          if sliced else None)
@@ -48,8 +50,9 @@ class Zero01:
         if self.gatherer is not None:
             self.gatherer()
 
-    def before_last_backward(self) -> None:
-        self.reducer.arm()
+    def before_last_backward(self, chunk: int) -> None:
+        """Model chunk ``chunk``'s last backward of the step runs next."""
+        self.reducer.arm(chunk)
 
     def finish(self) -> None:
         self.reducer.finish()

@@ -18,8 +18,8 @@ class CorruptAfterReduce:
         self.value = value
         self.calls = 0
 
-    def before_last_backward(self) -> None:
-        self.inner.before_last_backward()
+    def before_last_backward(self, chunk: int) -> None:
+        self.inner.before_last_backward(chunk)
 
     def __call__(self) -> None:
         self.inner()

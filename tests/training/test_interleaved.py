@@ -1,6 +1,7 @@
 """Interleaved 1F1B trains the same model as one process: per-step losses, grad norms and
 final parameters, for PP {2, 4} x v {2, 3} (uneven layer counts too), with TP=2, with DP=2
-under ZeRO-1 and ZeRO-3, tied (GPT-2) and untied (Llama) embeddings; resume is bitwise."""
+under ZeRO-0, 1 and 3 (resharding or not), tied (GPT-2) and untied (Llama) embeddings;
+resume is bitwise."""
 
 from __future__ import annotations
 
@@ -55,12 +56,17 @@ def test_pp4_with_two_and_three_chunks():
                                                             "uniform"))])
 
 
-def test_with_tp2_and_with_dp2_zero1_and_zero3():
+def test_with_tp2_and_with_dp2_zero0_zero1_and_zero3():
+    """Small buckets: each chunk's are reduced from its own last backward (ZeRO-0/1); ZeRO-3
+    gathered for the whole step reduces each unit once."""
+    small = ("--reduce-bucket-size", "2000")
     _check(4, [
         ("gpt2", 4, _layout(2, 2, "--tensor-model-parallel-size", "2", "--sequence-parallel")),
         ("llama", 4, _layout(2, 2, "--tensor-model-parallel-size", "2")),
-        ("gpt2", 4, _layout(2, 2, "--zero-stage", "1")),
+        ("llama", 4, _layout(2, 2, *small)),
+        ("gpt2", 4, _layout(2, 2, "--zero-stage", "1", *small)),
         ("llama", 5, _layout(2, 2, "--zero-stage", "3")),
+        ("gpt2", 4, _layout(2, 2, "--zero-stage", "3", "--zero3-reshard-after-forward", "false")),
     ])
 
 

@@ -1,5 +1,6 @@
 """ZeRO and data parallelism beyond equivalence: bf16 tracking fp32, fp16 overflow agreed
-across ranks, optimizer-state bytes, and bucket reductions starting during backward."""
+across ranks, optimizer-state bytes, and bucket reductions starting during backward (each
+model chunk's, under interleaving)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import torch
 
 from megatron3d.accounting import memory
 from megatron3d.mpu.traffic import CommCounter, observing
+from megatron3d.pipeline.instructions import Backward
+from megatron3d.pipeline.interleaved import interleaved_1f1b
+from megatron3d.resilience.flight_recorder import FlightRecorder
 from megatron3d.training.build import Overrides
 from megatron3d.training.grad_sync import GradSync
+from megatron3d.training.step import train_step
+from megatron3d.zero.layout import param_chunks
 from tests.helpers.dist import run_distributed
 from tests.helpers.faults import CorruptAfterReduce
 from tests.helpers.runs import build, train, train_single
@@ -160,3 +166,45 @@ def test_bucket_reductions_start_during_the_last_backward():
     for during_backward, buckets, micro_batches in run_distributed(_launch_points, 2):
         assert buckets > 3 and micro_batches > 1
         assert during_backward == buckets  # every bucket was launched from a grad hook
+
+
+def _bucket_issue_points(zero: int) -> dict:
+    """One interleaved step (PP=2 x v=2, DP=2, 4 micro-batches) under the flight recorder:
+    the program step during which each bucket's reduction was issued (None: after the
+    program), each bucket's chunks and each chunk's last backward."""
+    recorder = FlightRecorder(4096)
+    trainer, state = build(train_argv("gpt2", 3, "--num-layers", "4", "--micro-batch-size", "1",
+                                      "--pipeline-model-parallel-size", "2",
+                                      "--virtual-pipeline-model-parallel-size", "2",
+                                      "--zero-stage", str(zero), "--reduce-bucket-size", "2000"),
+                           Overrides(observers=(recorder,)))
+    batches = trainer.data.train(0, trainer.batch_schedule.global_batch_size_at(0))
+    with observing(recorder):
+        train_step(trainer.model.engine, trainer.model.optimizer, batches, 1e-3,
+                   trainer.model.grad_sync, state.dp)
+    kind = "reduce_scatter" if zero == 1 else "all_reduce"
+    issued = [(op.tag[1], op.step) for op in recorder.ops
+              if op.group == "dp" and op.kind == kind and op.tag and op.tag[0] == "bucket"]
+    engine = trainer.model.engine
+    chunks = param_chunks(engine.stage.layers, tuple(len(c.layers) for c in engine.chunks))
+    buckets = trainer.model.data_parallel.buffers.layout.buckets
+    program = interleaved_1f1b(state.pp.size, state.pp.rank, len(batches), len(engine.chunks))
+    return {"issued": issued, "last_backward": {s.chunk: i for i, s in enumerate(program)
+                                                if isinstance(s, Backward)},
+            "chunks": [set().union(*(chunks[id(p)] for p in b.params)) for b in buckets]}
+
+
+def test_interleaved_buckets_are_reduced_during_each_chunks_last_backward():
+    """Every chunk's buckets are issued from its last backward, which for all but one chunk
+    is before the step's last backward begins: the reductions overlap the backward work
+    still to run instead of waiting for the end of the step."""
+    for zero in (0, 1):
+        for r in run_distributed(_bucket_issue_points, 4, zero):
+            chunks, last, issued = r["chunks"], r["last_backward"], dict(r["issued"])
+            assert len(r["issued"]) == len(issued) == len(chunks) > 4  # each bucket once
+            assert all(len(c) == 1 for c in chunks)  # no bucket mixes two chunks
+            assert set().union(*chunks) == {0, 1}
+            for bucket, step in issued.items():
+                (chunk,) = chunks[bucket]
+                assert step == last[chunk], (zero, bucket, chunk, step, last)
+            assert any(step < max(last.values()) for step in issued.values())

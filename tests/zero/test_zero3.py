@@ -43,7 +43,27 @@ def _replay(plan: P.Plan, slot_of: dict[int, int]) -> dict[str, int]:
         if point.trigger[0] == "pre":
             assert all(u in ready for u in NEEDS[point.trigger[1]]), point
     assert not occupant, "every unit is released by the end of the program"
+    _check_gradients(plan)
     return counts
+
+
+def _check_gradients(plan: P.Plan) -> None:
+    """Every backward use of a unit lies between the zeroing of its gradients and their
+    reduction, with as many backward passes in between as the plan says."""
+    open_grads: dict[int, set[int]] = {}  # unit -> backward passes since its zeroing
+    passes = 0  # backward instructions begun
+    for point in plan.points:
+        for op in point.ops:
+            if op.kind == P.GRADS:
+                assert op.unit not in open_grads, f"{op}: zeroed again before its reduction"
+                open_grads[op.unit] = set()
+            elif op.kind == P.REDUCE:
+                assert len(open_grads.pop(op.unit)) == plan.passes[op.unit], op
+        if point.trigger[0] == "pre" and point.trigger[2]:
+            for u in NEEDS[point.trigger[1]]:
+                open_grads[u].add(passes)  # KeyError: a backward outside zeroing..reduction
+        passes += point.trigger == ("tail",)
+    assert not open_grads, "every unit's gradients are reduced by the end of the program"
 
 
 @pytest.mark.parametrize("pp_rank", [0, 1])
@@ -60,8 +80,9 @@ def test_plans_are_safe_and_within_the_gather_budget(depth, live, pp_rank):
     assert counts[P.REDUCE] == (pooled + 1) * micro_batches
     everything = frozenset(slot_of)
     own = {u: u for u in everything}  # reshard-after-forward false: a slot per unit
-    kept = _replay(P.build_plan(program, NEEDS, own, everything, depth), own)
+    kept = _replay(P.build_plan(program, NEEDS, own, everything, depth, (), everything), own)
     assert kept[P.GATHER] == len(everything)  # one gather per unit per step
+    assert kept[P.REDUCE] == len(everything)  # one reduce-scatter per unit per step
 
 
 def test_prefetch_issues_gathers_ahead_of_the_computation():
@@ -98,14 +119,15 @@ def test_collectives_per_step(keep):
         n, m, dp = r["units"], r["micro_batches"], r["dp"]
         assert m >= 4
         gathers, reduces = r["calls"]["all_gather"], r["calls"]["reduce_scatter"]
-        assert reduces == n * m  # ONE reduce-scatter per unit per micro-batch
         if keep:
             assert gathers == n  # one gather per unit per step
             theory = r["params"] * 4 / dp  # every parameter gathered once, fp32
             assert abs(r["bytes"]["all_gather"] - theory) <= 0.05 * theory
+            assert reduces == n  # ONE reduce-scatter per unit per step
         else:
             assert gathers <= 2 * n * m
-        theory = m * r["params"] * 4  # each micro-batch reduces every gradient once
+            assert reduces == n * m  # ONE reduce-scatter per unit per micro-batch
+        theory = (1 if keep else m) * r["params"] * 4  # each reduction: every gradient once
         assert abs(r["bytes"]["reduce_scatter"] - theory) <= 0.05 * theory
         assert set(r["calls"]) <= {"all_gather", "reduce_scatter", "all_reduce"}
         assert r["calls"].get("all_reduce", 0) <= 3  # loss average and grad norm

@@ -19,7 +19,11 @@ Rules:
   computation i - d, but never before its slot is free nor before the previous gather (all
   ranks issue collectives in one order). Its wait is at the point before computation i.
 - In a backward, a unit's gradient buffer is zeroed before the first layer using it, and its
-  gradients are reduce-scattered once after the last layer using it (once per micro-batch).
+  gradients are reduce-scattered once after the last layer using it: once per backward
+  instruction, or, for the units that *accumulate* (every unit when ``reshard_after_forward``
+  is False: each stays in a buffer of its own), once per program: zeroed before their first
+  backward, they sum every micro-batch's gradients and are reduce-scattered after their last
+  backward, while the rest of that backward still runs.
 Within a point the ops run as: releases and reductions, gathers, gradient zeroing, waits.
 """
 
@@ -49,7 +53,11 @@ class Point:
 
 @dataclass(frozen=True)
 class Plan:
+    """passes[u]: the backward passes (instructions) whose gradients each of unit u's
+    reductions sums: 1, or every pass using u when it accumulates over the program."""
+
     points: tuple[Point, ...]
+    passes: dict[int, int]
 
     def count(self, kind: str) -> int:
         return sum(op.kind == kind for p in self.points for op in p.ops)
@@ -64,10 +72,13 @@ class _Compute:
 
 
 def build_plan(program: list, needs: tuple[tuple[int, ...], ...], slot_of: dict[int, int],
-               pinned: frozenset[int], depth: int, chunk_sizes: tuple[int, ...] = ()) -> Plan:
+               pinned: frozenset[int], depth: int, chunk_sizes: tuple[int, ...] = (),
+               accumulate: frozenset[int] = frozenset()) -> Plan:
     """``needs[j]``: units layer j uses; ``slot_of``: each unit's buffer; ``pinned``: units
     gathered once and kept until the end; ``chunk_sizes``: layers per model chunk, in order
-    (interleaving; default one chunk of every layer)."""
+    (interleaving; default one chunk of every layer); ``accumulate``: pinned units whose
+    gradients are reduced once per program instead of once per backward."""
+    assert accumulate <= pinned, "only a unit with a buffer of its own can accumulate"
     points, computes = _timeline(program, chunk_sizes or (len(needs),))
     demands = _residency(points, computes, needs, slot_of, pinned)
     issued = 0
@@ -76,10 +87,10 @@ def build_plan(program: list, needs: tuple[tuple[int, ...], ...], slot_of: dict[
         issued = max(desired, issued, free_at)
         points[issued].ops.append(Op(GATHER, unit))
         points[computes[step].pre].ops.append(Op(WAIT, unit))
-    _gradients(points, computes, needs)
+    passes = _gradients(points, computes, needs, accumulate)
     for p in points:
         p.ops.sort(key=lambda op: _ORDER[op.kind])  # stable: keeps issue order within a kind
-    return Plan(tuple(points))
+    return Plan(tuple(points), passes)
 
 
 def _timeline(program: list,
@@ -127,20 +138,33 @@ def _residency(points: list[Point], computes: list[_Compute], needs, slot_of: di
     return demands
 
 
-def _gradients(points: list[Point], computes: list[_Compute], needs) -> None:
-    """Per backward instruction: zero each unit's gradient buffer before its first use,
-    reduce-scatter after its last."""
-    first: dict[int, int] = {}
+def _gradients(points: list[Point], computes: list[_Compute], needs,
+               accumulate: frozenset[int]) -> dict[int, int]:
+    """Zero each unit's gradient buffer before its first backward use and reduce-scatter it
+    after its last: per backward instruction, or over the whole program for the units in
+    ``accumulate``. Return the passes each reduction sums."""
+    first: dict[int, int] = {}  # unit -> its first backward computation since its zeroing
     last: dict[int, int] = {}
+    passes: dict[int, int] = {}
+    used: set[int] = set()  # units of the backward instruction running
+
+    def place(units: list[int]) -> None:
+        for unit in units:
+            points[computes[first.pop(unit)].pre].ops.append(Op(GRADS, unit))
+        for unit in units:
+            points[computes[last.pop(unit)].after].ops.append(Op(REDUCE, unit))
+
     for i, c in enumerate(computes):
         if not c.backward:
             continue
         for unit in needs[c.layer]:
             first.setdefault(unit, i)
             last[unit] = i
-        if points[c.after].trigger == ("tail",):  # the micro-batch's backward ends here
-            for unit, at in first.items():
-                points[computes[at].pre].ops.append(Op(GRADS, unit))
-            for unit, at in last.items():
-                points[computes[at].after].ops.append(Op(REDUCE, unit))
-            first, last = {}, {}
+            used.add(unit)
+        if points[c.after].trigger == ("tail",):  # the backward instruction ends here
+            for unit in used:
+                passes[unit] = passes.get(unit, 0) + 1 if unit in accumulate else 1
+            used = set()
+            place([unit for unit in first if unit not in accumulate])
+    place(list(first))
+    return passes

@@ -12,7 +12,9 @@ The pipeline engine announces each program (``begin``), each finished instructio
 each layer's output gradient mark the other points of the plan, and each point runs its ops:
 all-gather a unit's shards into its slot in ONE collective (or all-reduce the zero-filled slot
 with ``allreduce_fetch``: the same values), wait for it, zero a slot's gradients,
-reduce-scatter them in ONE collective into the gradient shard. Nothing is decided per step:
+reduce-scatter them in ONE collective into the gradient shard (after each micro-batch's
+backward, or with ``reshard_after_forward`` False once per step, after the unit's last
+backward: its slot sums the micro-batches, as one process does). Nothing is decided per step:
 plans are built once per distinct program and cached. On CUDA the collectives run on the
 process group's stream and ``wait`` orders the compute stream after them; the host never
 blocks on the device.
@@ -55,6 +57,7 @@ class Zero3:
         self.depth = parallel.zero3_prefetch_depth
         self.pinned = self.units.tied if parallel.reshard_after_forward else frozenset(
             range(len(groups)))
+        self.accumulate = frozenset() if parallel.reshard_after_forward else self.pinned
         self.slot_of = _assign_slots(len(groups), self.pinned, parallel.live_units)
         self.slots = self._allocate(dtype, wire, device)
         self._shard_and_bind()
@@ -104,7 +107,8 @@ class Zero3:
         key = tuple(program)
         if key not in self._plans:
             self._plans[key] = plan.build_plan(program, self.units.needs, self.slot_of,
-                                               self.pinned, self.depth, self.chunk_sizes)
+                                               self.pinned, self.depth, self.chunk_sizes,
+                                               self.accumulate)
         self._plan, self._cursor = self._plans[key], 0
         self._at(("begin",))
 
@@ -172,7 +176,7 @@ class Zero3:
         slot = self.slots[self.slot_of[unit]]
         slot.drain()
         slot.grads[:self.layout.buckets[unit].numel].zero_()
-        self._remaining[unit] = len(self.units.groups[unit])
+        self._remaining[unit] = len(self.units.groups[unit]) * self._plan.passes[unit]
 
     def _reduce(self, unit: int) -> None:
         if self._remaining[unit] != 0:
@@ -192,8 +196,8 @@ class Zero3:
     def gather_params(self) -> None:
         """Nothing after the step: units are gathered from the shards when they next run."""
 
-    def before_last_backward(self) -> None:
-        """Nothing: gradients are reduce-scattered per micro-batch, as the plan says."""
+    def before_last_backward(self, chunk: int) -> None:
+        """Nothing: the plan says when each unit's gradients are reduce-scattered."""
 
     def finish(self) -> None:
         """Nothing: the program's end already completed every reduction."""
