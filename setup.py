@@ -30,7 +30,7 @@ setup(
     },
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.3",
+        "torch>=2.5",  # SDPA's grouped-query attention (enable_gqa)
         "numpy",
         "pyyaml",
         "sentencepiece",

@@ -65,33 +65,33 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
       the fp32 rstd and the normalised activation.
     - qkv input / fc1 input: the column-parallel linears keep their input, [N, h] (under SP
       the shard: backward gathers it again).
-    - q, k, v: the fused QKV output [M, 3h/t], kept whole by the views of it; rotary
-      embeddings add rotated copies of q and k.
+    - q, k, v: [M, (n + 2G) d / t] for n query and G key/value heads of size d: the fused
+      QKV output kept whole by its views (multi-head attention without rotary embeddings),
+      or as many bytes in three tensors of their own (rotated, or q gathered from its
+      groups); the keys and values are never copied per query head (``grouped_attention``).
     - attention output: [M, h/t], kept by the output projection (the kernel's output shares
       its storage); without recompute the kernel's log-sum-exp [b, n/t, s] fp32 too.
     - MLP: GeLU keeps its input and the output projection the activation, [M, f/t] each;
       SwiGLU the stacked gate/up [M, 2f/t], silu(gate) and the product.
     - dropout masks: one byte per element of the [N, h] attention and MLP outputs.
 
-    Full recompute keeps only the layer input [N, h]. Grouped-query attention is not counted.
+    Full recompute keeps only the layer input [N, h].
     """
-    if cfg.group_query_attention:
-        raise ValueError("the count covers multi-head attention only (no GQA)")
     e = dtype.itemsize
     s, b, h, t = cfg.seq_length, micro_batch, cfg.hidden_size, tp
     big = s * b  # M: tokens inside the TP region
     small = big // t if sequence_parallel else big  # N: tokens outside it
     if cfg.recompute == "full":
         return {"layer input": e * small * h}
-    heads, d, f = cfg.num_attention_heads // t, cfg.head_dim, cfg.ffn_size // t
+    heads, groups = cfg.num_attention_heads // t, cfg.query_groups // t
+    d, f = cfg.head_dim, cfg.ffn_size // t
     stat = e if device_type == "cpu" else FP32
     norm = (FP32 * small * h + FP32 * small + e * small * h if cfg.normalization == "rmsnorm"
             else e * small * h + 2 * stat * small)
     terms = {
         "norms": 2 * norm,
         "qkv input": e * small * h,
-        "q, k, v": e * big * 3 * heads * d,
-        "rotated q, k": e * big * 2 * heads * d if cfg.position_embedding_type == "rope" else 0,
+        "q, k, v": e * big * (heads + 2 * groups) * d,
         "attention output": e * big * heads * d,
         "log-sum-exp": FP32 * b * heads * s if cfg.recompute is None else 0,
         "fc1 input": e * small * h,

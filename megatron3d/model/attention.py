@@ -15,11 +15,11 @@ probabilities and dropout mask are what grows with s^2.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron3d.model.context import LayerContext
+from megatron3d.model.grouped_attention import attention
 from megatron3d.model.positional import apply_rotary, rotary_tables
 from megatron3d.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -48,6 +48,11 @@ class SelfAttention(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.alibi = ctx.alibi if self.position_type == "alibi" else None
         self.selective = cfg.recompute == "selective"
+        # Whether q stays a view of the fused output: not when rotated, nor when a rank's
+        # groups interleave their query heads with keys and values (the reshape copies).
+        # Then k and v get storage of their own too, and the output is freed after forward.
+        self.qkv_views = self.position_type != "rope" and (self.group_size == 1
+                                                           or self.local_groups == 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, (n + 2G) d / tp] (gathered along s under SP)
@@ -61,6 +66,8 @@ class SelfAttention(nn.Module):
         if self.position_type == "rope":
             q = apply_rotary(q, self.rope_cos, self.rope_sin)
             k = apply_rotary(k, self.rope_cos, self.rope_sin)
+        if not self.qkv_views:  # a k or v view kept for backward would keep all of qkv
+            k, v = k.contiguous(), v.contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or G/tp, s, d]
         if self.selective and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, use_reentrant=False,
@@ -71,12 +78,10 @@ class SelfAttention(nn.Module):
         return self.dense(out)  # [s, b, h]
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask or ALiBi) v, with attention dropout:
-        [b, heads, s, d] -> [b, heads, s, d]. What selective recompute re-runs."""
-        if self.group_size > 1:  # each key/value head serves its group's query heads
-            k, v = (t.repeat_interleave(self.group_size, dim=1) for t in (k, v))
+        """softmax(q k^T / sqrt(d) + causal mask or ALiBi) v, with attention dropout: q
+        [b, heads, s, d], k and v [b, G/tp, s, d] (shared by each group's query heads, not
+        copied) -> [b, heads, s, d]. What selective recompute re-runs."""
         dropout = self.dropout_p if self.training else 0.0
-        mask = None if self.alibi is None else self.alibi.get(q.shape[2], q.dtype, q.device)
+        bias = None if self.alibi is None else self.alibi.get(q.shape[2], q.dtype, q.device)
         with self.ctx.tp_region_rng():  # each TP rank drops out its own heads
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=mask is None)
+            return attention(q, k, v, bias, dropout)

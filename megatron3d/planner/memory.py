@@ -13,9 +13,6 @@ step.
   or on the last stage the logits (in the activation dtype) beside the loss buffer;
 - buffers: the bf16 gradient copies of ``--grad-reduce-in-bf16`` (ZeRO-0/1);
 - context and slack: ``hardware.CUDA_CONTEXT_BYTES`` and ``hardware.ALLOCATOR_SLACK``.
-
-Grouped-query attention layers are counted as multi-head layers of the same width
-(``layer_activation_bytes`` covers multi-head attention only).
 """
 
 from __future__ import annotations
@@ -100,10 +97,8 @@ class Activations:
             padded_vocab // self.tp)
 
     def _terms(self, recompute: bool) -> dict[str, int]:
-        """``layer_activation_bytes`` of a block (counted as multi-head), with the model's
-        recompute or without any."""
-        model = dataclasses.replace(self.model, group_query_attention=False,
-                                    num_query_groups=None)
+        """``layer_activation_bytes`` of a block, with the model's recompute or without any."""
+        model = self.model
         if not recompute:
             model = dataclasses.replace(model, checkpoint_activations=False,
                                         recompute_granularity=None)

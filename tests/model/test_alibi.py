@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron3d.model import attention
+from megatron3d.model import grouped_attention
 from megatron3d.model.gpt import build_gpt, lm_loss
 from megatron3d.model.positional import AlibiBias, alibi_slopes
 from tests.helpers.tiny import layer_context, model_config
@@ -15,13 +15,13 @@ from tests.helpers.tiny import layer_context, model_config
 
 def test_every_layer_of_a_stage_uses_one_bias_tensor(monkeypatch):
     masks = []
-    sdpa = attention.F.scaled_dot_product_attention
+    sdpa = grouped_attention.F.scaled_dot_product_attention
 
     def recording(*args, attn_mask=None, **kwargs):
         masks.append(attn_mask)
         return sdpa(*args, attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(grouped_attention.F, "scaled_dot_product_attention", recording)
     cfg = model_config("bloom", num_layers=3)
     ctx = layer_context(cfg, dtype=torch.bfloat16)
     model = build_gpt(ctx)

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from megatron3d.model import attention
+from megatron3d.model import grouped_attention
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt, lm_loss
 from megatron3d.mpu.meta import get_meta
@@ -70,13 +70,13 @@ def test_without_the_stream_replay_the_recomputed_dropout_differs(monkeypatch):
     (None, True, 1), ("selective", True, 2), ("selective", False, 1), ("full", True, 2)])
 def test_the_attention_core_runs_again_in_backward(monkeypatch, recompute, grad, expected):
     calls = []
-    sdpa = attention.F.scaled_dot_product_attention
+    sdpa = grouped_attention.F.scaled_dot_product_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(grouped_attention.F, "scaled_dot_product_attention", counted)
     cfg = model_config("gpt2", num_layers=1, recompute_granularity=recompute)
     ctx = LayerContext(cfg, AxisGroup.single(), SEED, torch.float32, CPU)
     model = build_gpt(ctx).train()

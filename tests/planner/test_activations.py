@@ -30,6 +30,8 @@ BF16, CPU, MICRO_BATCH = torch.bfloat16, torch.device("cpu"), 2
 # with it), so no s x s tensor is kept; hidden dropout on, so its masks are.
 SHAPE = {"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
          "vocab_size": 203, "hidden_dropout": 0.1, "attention_dropout": 0.0}
+MODELS = {**FLAVOURS, "llama-gqa": {**FLAVOURS["llama"], "group_query_attention": True,
+                                    "num_query_groups": 2}}
 
 
 def _measured_chunks(cfg: ModelConfig, bounds: tuple[int, ...]) -> list[int]:
@@ -59,9 +61,9 @@ def _measured_chunks(cfg: ModelConfig, bounds: tuple[int, ...]) -> list[int]:
 
 
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
-@pytest.mark.parametrize("flavour", list(FLAVOURS))
-def test_chunk_activations_match_saved_bytes(flavour, recompute):
-    cfg = ModelConfig(**{**SHAPE, **FLAVOURS[flavour], "recompute_granularity": recompute})
+@pytest.mark.parametrize("model", list(MODELS))
+def test_chunk_activations_match_saved_bytes(model, recompute):
+    cfg = ModelConfig(**{**SHAPE, **MODELS[model], "recompute_granularity": recompute})
     bounds = stage_bounds(cfg, 3, "uniform", 1)  # embedding+, blocks, +head and loss
     model = Activations(cfg, MICRO_BATCH, 1, False, BF16, device_type="cpu")
     names = [spec.type_name for spec in gpt_layer_specs(LayerContext(

@@ -33,16 +33,20 @@ BF16, MICRO_BATCH = torch.bfloat16, 2
 SHAPE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
          "vocab_size": 203, "hidden_dropout": 0.1, "attention_dropout": 0.0}
 RECOMPUTE = (None, "selective", "full")
-# (flavour, sequence parallel, recompute) measured on every TP size.
+# Grouped-query attention: 8 query heads of size 8 in 4 groups, whole groups at TP 2 and 4.
+GQA = {"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 4}
+MODELS = {**FLAVOURS, "gpt2-gqa": GQA, "llama-gqa": {**FLAVOURS["llama"], **GQA}}
+# (model, sequence parallel, recompute) measured on every TP size.
 LAYOUTS = [("gpt2", sp, rc) for sp in (False, True) for rc in RECOMPUTE] + [
-    ("llama", True, "selective"), ("llama", False, None), ("bloom", True, None)]
+    ("llama", True, "selective"), ("llama", False, None), ("bloom", True, None),
+    ("gpt2-gqa", False, None), ("llama-gqa", False, None), ("llama-gqa", True, "selective")]
 # The loss: a 128k vocabulary scaled down 16x (and s, b with it); 8000 pads to 8192 and
 # leaves the last TP rank with padding columns.
 LOSS_SEQ, LOSS_VOCABS = 64, (8192, 8000)
 
 
-def _config(flavour: str, recompute: str | None) -> ModelConfig:
-    return ModelConfig(**{**SHAPE, **FLAVOURS[flavour], "recompute_granularity": recompute})
+def _config(model: str, recompute: str | None) -> ModelConfig:
+    return ModelConfig(**{**SHAPE, **MODELS[model], "recompute_granularity": recompute})
 
 
 def _loss_peak(tp: AxisGroup, vocab: int) -> tuple[int, int]:
@@ -127,12 +131,13 @@ def test_full_recompute_keeps_only_the_layer_input(measured, tp, sp):
         assert rank[("gpt2", sp, "full")] == [layer_input] * SHAPE["num_layers"]
 
 
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}-sp{int(x[1])}-{x[2]}")
-def test_each_layout_is_within_2_percent_of_our_count(measured, layout):
-    flavour, sp, recompute = layout
-    ours = sum(layer_activation_bytes(_config(flavour, recompute), MICRO_BATCH, 2, sp, BF16,
+def test_each_layout_is_within_2_percent_of_our_count(measured, layout, tp):
+    model, sp, recompute = layout
+    ours = sum(layer_activation_bytes(_config(model, recompute), MICRO_BATCH, tp, sp, BF16,
                                       "cpu").values())
-    for rank in measured(2):
+    for rank in measured(tp):
         for per_layer in rank[layout]:
             assert abs(per_layer / ours - 1) <= 0.02, (per_layer, ours)
 

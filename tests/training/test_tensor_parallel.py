@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
+from megatron3d.model import grouped_attention
+from megatron3d.model.grouped_attention import Path
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import assert_same_run, reference_run, train, train_single
 from tests.helpers.tiny import train_argv
@@ -87,6 +91,27 @@ def _gqa(groups: int) -> tuple[str, ...]:
 
 def _gqa_runs(tp: int) -> dict:
     return {g: train(_argv("llama", tp, *_gqa(g))) for g in (2, 4)}
+
+
+def _folded_runs(tp: int) -> dict:
+    """Every grouped attention folded, as where SDPA has no grouped kernel (on the CPU: with
+    attention dropout, which would make TP and one process draw different masks)."""
+    with mock.patch.object(grouped_attention, "grouped_path", lambda *args: Path.FOLD):
+        return {f: train(_argv(f, tp, *_gqa(2))) for f in ("llama", "bloom")}
+
+
+def test_folded_grouped_query_attention_under_tp_matches_single_process():
+    """Llama (RoPE) and BLOOM (ALiBi, each rank's bias folded) with 4 heads in 2 groups,
+    their query heads folded into rows at TP=2, train the one-process model (which runs the
+    grouped flash kernel)."""
+    results = run_distributed(_folded_runs, 2, 2)
+    for flavour in ("llama", "bloom"):
+        reference = _reference(flavour, _gqa(2))
+        for rank, per_flavour in enumerate(results):
+            try:
+                assert_same_run(per_flavour[flavour], reference, FP32)
+            except AssertionError as err:
+                raise AssertionError(f"{flavour}, rank {rank}: {err}") from err
 
 
 def test_grouped_query_attention_under_tp_matches_single_process():
