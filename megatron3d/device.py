@@ -6,10 +6,12 @@ runs on CPU with gloo (tests, laptops) and on GPUs with NCCL (clusters).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -131,6 +133,32 @@ def memory_in_use(dev: torch.device) -> dict[str, float]:
                 "mem-reserved-bytes": float(torch.cuda.memory_reserved(dev))}
     return {"mem-max-rss-bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                        * 1024)}  # Linux reports KiB
+
+
+def reset_peak_memory(dev: torch.device) -> int:
+    """Start a window for ``peak_memory``; returns the bytes in use now: the GPU allocator's,
+    or on CPU the process's resident set (Linux: the peak is reset through
+    ``/proc/self/clear_refs``, so it then covers every allocation, not only torch's)."""
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return torch.cuda.memory_allocated(dev)
+    with contextlib.suppress(OSError):  # not Linux: the peak is the process's since start
+        Path("/proc/self/clear_refs").write_text("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_memory(dev: torch.device) -> int:
+    """The most bytes in use since ``reset_peak_memory``, counted as it counts them."""
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev)
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: the peak
 
 
 def memory_capacity(env: LaunchEnv) -> int:

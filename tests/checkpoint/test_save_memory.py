@@ -11,12 +11,12 @@ which on a GPU lives in host memory, so what is left is what a GPU's memory woul
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from megatron3d import device as devices
 from megatron3d.checkpoint.chunks import owned_parts
 from megatron3d.checkpoint.progress import Progress
 from megatron3d.training.build import Overrides
@@ -24,6 +24,7 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.runs import build
 from tests.training.test_init_memory import _can_reset_peak
 
+CPU = torch.device("cpu")
 MIB = 2**20
 DEVICE_BOUND = 64 * MIB  # the issue's bound on what a save may add beyond its host copy
 # 4 layers of hidden 640, a small vocabulary: 20M parameters, 245 MB of fp32 weights and Adam
@@ -34,11 +35,6 @@ MODEL = ["--num-layers", "4", "--hidden-size", "640", "--num-attention-heads", "
          "--eval-iters", "0", "--log-interval", "1"]
 
 
-def _rss(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(),
-                         re.M)[1]) * 1024
-
-
 class _Measured:
     """The trainer's saver, with each save's peak RSS growth recorded."""
 
@@ -46,10 +42,9 @@ class _Measured:
         self.saver, self.growth = saver, []
 
     def __call__(self, progress: Progress) -> str:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        start = _rss("VmRSS")
+        start = devices.reset_peak_memory(CPU)  # VmHWM := VmRSS
         directory = self.saver(progress)
-        self.growth.append(_rss("VmHWM") - start)
+        self.growth.append(devices.peak_memory(CPU) - start)
         return directory
 
     def wait(self) -> None:
