@@ -13,8 +13,9 @@ A stage output that has been sent is only needed for its autograd graph: its dat
 after the send (as Megatron does) and its backward runs from the graph alone, so a stage
 holding many in-flight micro-batches keeps none of their outputs. Without gradients
 (evaluation) nothing outlives its use: a received activation is dropped once its forward has
-read it and an output once its send is done, so evaluation holds one micro-batch's activations
-however many it runs (training's 1F1B holds up to a stage's warm-up count).
+read it and an output once its send is done, so evaluation holds one received activation at
+a time however many micro-batches it runs (training keeps each until its gradient is sent:
+one per micro-batch in flight on the stage).
 
 An ``Exchange`` posts its transfers in the schedule's order but does not wait for them there:
 a received tensor is waited for just before the computation that reads it, and the sends are

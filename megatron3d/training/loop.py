@@ -3,9 +3,9 @@ end of a run: the final save, validation and test evaluation, and one summary li
 
 Everything per step stays on the device; the loop syncs with the device only at log,
 evaluation and save boundaries (the exit watch reads its agreement a step late, without one).
-The data position, batch size and learning rate are pure functions of
-``consumed_samples``, so a run is fully described by its ``Progress``. A ``Trainer`` is built
-whole by ``training.build.build_trainer`` from named parts and never changed afterwards.
+The data position, batch size and learning rate are pure functions of ``consumed_samples``,
+so a run is fully described by its ``Progress``. A ``Trainer`` is built whole by
+``training.build.build_trainer`` from named parts and never changed afterwards.
 """
 
 from __future__ import annotations
