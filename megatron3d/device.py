@@ -10,8 +10,10 @@ import contextlib
 import datetime
 import os
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -109,6 +111,67 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     when an accelerator is present, plain memory on CPU. torch's pinned allocator rounds the
     size up to a power of two; callers allocate once and reuse."""
     return torch.empty(shape, dtype=dtype, pin_memory=accelerator_available())
+
+
+class _Work(Protocol):
+    """A collective in flight (``torch.distributed``'s work)."""
+
+    def wait(self) -> object: ...
+
+
+class HostRoundTrip:
+    """A few host values taken to the device for a collective, and its result brought back,
+    with neither the host nor the compute stream waiting for the device in between.
+
+    ``send`` copies the values from pinned memory (no host wait); ``start`` queues the copy of
+    the reduced tensor back into pinned memory on a side stream, behind the collective, and
+    records an event; ``result`` waits for that event. Read a step after ``start``, the event
+    has passed (or passes as the device ends that step, with the next step already queued), so
+    the wait never drains the device's queue. On CPU the tensor already is host memory:
+    ``result`` waits for the collective only. One round trip at a time: each buffer is reused
+    once the previous ``result`` returned."""
+
+    def __init__(self, numel: int, dev: torch.device) -> None:
+        self._dev = dev
+        self._outgoing = host_buffer((numel,), torch.float32)
+        self._incoming = host_buffer((numel,), torch.float32)
+        cuda = dev.type == "cuda"
+        self._stream = torch.cuda.Stream(dev) if cuda else None
+        self._event = torch.cuda.Event() if cuda else None
+        self._pending: tuple[torch.Tensor, _Work | None] | None = None
+
+    def send(self, values: Sequence[float]) -> torch.Tensor:
+        """``values`` as a float32 tensor on the device."""
+        host = torch.tensor(values, dtype=torch.float32)
+        if self._stream is None:
+            return host
+        self._outgoing.copy_(host)  # the last copy out of it ended before the last result
+        return self._outgoing.to(self._dev, non_blocking=True)
+
+    def start(self, tensor: torch.Tensor, work: _Work | None) -> None:
+        """Bring ``tensor`` back once ``work`` (None: nothing in flight) has written it."""
+        assert self._pending is None, "a round trip is in flight: result() first"
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._dev))  # ``tensor`` made
+            with torch.cuda.stream(self._stream):
+                if work is not None:
+                    work.wait()  # orders the side stream, not the host, after the collective
+                self._incoming.copy_(tensor, non_blocking=True)
+                self._event.record(self._stream)
+            work = None
+        self._pending = (tensor, work)  # ``tensor`` held until the side stream is done with it
+
+    def result(self) -> list[float]:
+        """The values ``start`` asked for, waiting for them if they are still on the way."""
+        assert self._pending is not None, "nothing in flight: start() first"
+        tensor, work = self._pending
+        self._pending = None
+        if self._event is not None:
+            self._event.synchronize()
+            tensor = self._incoming
+        elif work is not None:
+            work.wait()
+        return tensor.numpy().tolist()  # host memory, already waited for: no device sync
 
 
 def peak_tflops(dev: torch.device) -> float | None:

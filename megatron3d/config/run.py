@@ -98,8 +98,9 @@ class CheckpointConfig:
     exit_duration_in_mins: float | None = option(
         None, "Save and stop once training has run this many minutes.", range=POSITIVE)
     kill_switch_path: str | None = option(
-        None, "Save and stop at the next iteration once this file exists (checked by every "
-        "rank after each step; BigScience's way to stop a job that would be requeued).")
+        None, "Save and stop once this file exists (checked by every rank after each step, "
+        "the ranks agreeing a step later; BigScience's way to stop a job that would be "
+        "requeued).")
     exit_on_missing_checkpoint: bool = option(
         False, "Fail when --load holds no checkpoint, instead of starting from scratch.")
 

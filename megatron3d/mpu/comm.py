@@ -89,14 +89,16 @@ def reduce_scatter(t: torch.Tensor, axis: AxisGroup, dim: int,
     return out.movedim(0, dim)
 
 
-def start_all_reduce(t: torch.Tensor, axis: AxisGroup, tag: object = None) -> dist.Work | None:
-    """Begin summing flat ``t`` in place over the axis; wait on the returned work (None when
-    there is nothing to do). For overlapping gradient reduction with backward. ``tag`` (here
-    and below) tells the observers what the operation serves, e.g. a bucket or ZeRO unit."""
+def start_all_reduce(t: torch.Tensor, axis: AxisGroup, tag: object = None,
+                     op: dist.ReduceOp = SUM) -> dist.Work | None:
+    """Begin reducing flat ``t`` in place over the axis; wait on the returned work (None when
+    there is nothing to do). For overlapping gradient reduction with backward, and agreeing
+    on flags a step later. ``tag`` (here and below) tells the observers what the operation
+    serves, e.g. a bucket or ZeRO unit."""
     if axis.size == 1:
         return None
     _check(axis, "all_reduce", t, tag=tag)
-    return dist.all_reduce(t, group=axis.group, async_op=True)
+    return dist.all_reduce(t, op=op, group=axis.group, async_op=True)
 
 
 def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,

@@ -11,7 +11,11 @@ parallelism the activations are already split across TP ranks, so nothing is sen
 
 A stage output that has been sent is only needed for its autograd graph: its data is freed
 after the send (as Megatron does) and its backward runs from the graph alone, so a stage
-holding many in-flight micro-batches keeps none of their outputs.
+holding many in-flight micro-batches keeps none of their outputs. Without gradients
+(evaluation) nothing outlives its use: a received activation is dropped once its forward has
+read it and an output once its send is done, so evaluation holds one received activation at
+a time however many micro-batches it runs (training keeps each until its gradient is sent:
+one per micro-batch in flight on the stage).
 
 An ``Exchange`` posts its transfers in the schedule's order but does not wait for them there:
 a received tensor is waited for just before the computation that reads it, and the sends are
@@ -179,8 +183,8 @@ class PipelineEngine:
         for out in sent:
             _free_data(out)
         for (kind, key, buffer), work in zip(received, works[len(sends):], strict=True):
-            if kind == "F":
-                run.inputs[key] = buffer.requires_grad_(torch.is_grad_enabled())
+            if kind == "F" and torch.is_grad_enabled():  # kept for its gradient's send
+                run.inputs[key] = buffer.requires_grad_()
             run.arriving[kind, key] = (work, buffer)
 
     def _buffer(self) -> torch.Tensor:
@@ -245,7 +249,8 @@ class _Run:
 
     def __init__(self, total: torch.Tensor) -> None:
         self.total = total  # sum of micro-batch losses (last stage)
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations
+        # received activations whose gradient is still to be sent (training only)
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # outputs, or scaled losses
         # posted receives not yet waited for: ("F" activation | "B" gradient, key) -> (work,
         # buffer)

@@ -1,10 +1,11 @@
 """The training loop: steps, the Megatron log line, TensorBoard, periodic evaluation, and the
 end of a run: the final save, validation and test evaluation, and one summary line.
 
-Everything per step stays on the device; the loop syncs with the device only at log and
-evaluation boundaries. The data position, batch size and learning rate are pure functions of
-``consumed_samples``, so a run is fully described by its ``Progress``. A ``Trainer`` is built
-whole by ``training.build.build_trainer`` from named parts and never changed afterwards.
+Everything per step stays on the device; the loop syncs with the device only at log,
+evaluation and save boundaries (the exit watch reads its agreement a step late, without one).
+The data position, batch size and learning rate are pure functions of ``consumed_samples``,
+so a run is fully described by its ``Progress``. A ``Trainer`` is built whole by
+``training.build.build_trainer`` from named parts and never changed afterwards.
 """
 
 from __future__ import annotations
@@ -164,9 +165,10 @@ class Trainer:
                 self.hooks.heartbeat.beat(self.progress.iteration)
                 reporter.step(self.progress, result, lr, gbs)
                 self._after_step(result)
-                stop = self.exit_watch.should_stop(self.progress.iteration)
+                it = self.progress.iteration
+                stop = self.exit_watch.should_stop(it, last=it >= self.total_iters)
                 if stop is not None:
-                    logger.info("stopping at iteration %d (%s)", self.progress.iteration, stop)
+                    logger.info("stopping at iteration %d (%s)", it, stop)
                     reason = stop
                     break
             reporter.finish()

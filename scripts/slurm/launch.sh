@@ -41,15 +41,16 @@
 #      Not `pkill -USR1 -f pretrain_gpt.py`: the pattern also matches torchrun's own command
 #      line, and other jobs on a shared node. Not torchrun's `--signals-to-handle ...,SIGUSR1`:
 #      it forwards the signal but then exits 1 and kills workers still saving after 30 s.
-#   4. Every worker finishes its step, all ranks agree to stop, save a checkpoint, exit 0;
-#      torchrun then exits 0 and the step ends.
+#   4. Every worker finishes its step and the next (the ranks agree on the signal a step
+#      later, without stalling the GPUs), they save a checkpoint and exit 0; torchrun then
+#      exits 0 and the step ends.
 #   5. This shell requeues the job (`scontrol requeue`): Slurm ends this run and queues the same
 #      job again, which resumes from CHECKPOINT_DIR/latest. Keep `#SBATCH --open-mode=append`
 #      so both runs stay in one log.
 # By hand: `scancel --signal=USR1 --batch JOBID` saves, stops and requeues (the path above);
 # `scancel --signal=USR1 JOBID` (steps only) saves and stops, and the job ends COMPLETED.
 # Preemption and `scancel JOBID` send SIGTERM to every process: torchrun forwards it to the
-# workers, which save at the next step boundary, and kills them after 30 s (its shutdown
+# workers, which save after their next step, and kills them after 30 s (its shutdown
 # timeout); Slurm kills everything after KillWait. A preempted job with --requeue is requeued
 # by Slurm itself. (Where the site sets SlurmctldParameters=preempt_send_user_signal and a
 # GraceTime, preemption sends the --signal first, and the path above saves.)
@@ -146,7 +147,7 @@ on_usr1() {
 # shellcheck disable=SC2317
 on_term() {
   INTERRUPTED=1
-  echo "launch.sh: SIGTERM: the workers save at their next step if time allows"
+  echo "launch.sh: SIGTERM: the workers save after their next step if time allows"
 }
 trap on_usr1 USR1
 trap on_term TERM

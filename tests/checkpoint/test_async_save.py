@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -20,10 +19,8 @@ import torch
 from megatron3d.checkpoint import io
 from megatron3d.checkpoint.progress import Progress
 from megatron3d.errors import CheckpointError, TrainingError
-from megatron3d.training.build import Overrides
-from megatron3d.training.exit_watch import ExitWatch
 from tests.helpers.dist import run_distributed
-from tests.helpers.host_sync import no_host_sync
+from tests.helpers.host_sync import GuardedSteps
 from tests.helpers.preemption import latest
 from tests.helpers.runs import build, merge_ranks, train
 from tests.helpers.tiny import train_argv
@@ -166,51 +163,19 @@ def test_a_non_finite_save_is_refused_after_the_one_in_flight(tmp_path):
         assert result["files"] == ["iter_0000003", "iter_0000004", "latest"], rank
 
 
-class _SyncsAllowed:
-    """The trainer's saver, run with host syncs allowed (a save syncs by design), and its
-    ``wait`` too once training is over; the steps between saves run under ``no_host_sync``
-    while the background write goes on."""
-
-    def __init__(self, saver: Any, progress: Progress, total_iters: int,
-                 guard: contextlib.ExitStack) -> None:
-        self.saver, self.progress, self.total_iters, self.guard = (saver, progress,
-                                                                   total_iters, guard)
-
-    def __call__(self, progress: Progress) -> str:
-        self.guard.close()
-        directory = self.saver(progress)
-        self.guard.enter_context(no_host_sync())
-        return directory
-
-    def wait(self) -> None:
-        if self.progress.iteration == self.total_iters:
-            self.guard.close()
-        self.saver.wait()
-
-
-def _steps_without_sync(directory: str) -> int:
-    guard = contextlib.ExitStack()
-    progress, done = Progress(), []
-    # With --save every step agrees on the stop signals (an all-reduce read on the host):
-    # that is the exit watch's, not the save's, and it runs unguarded here.
-    should_stop = ExitWatch.should_stop
-
-    def watch(self: ExitWatch, iteration: int) -> str | None:
-        guard.close()
-        reason = should_stop(self, iteration)
-        guard.enter_context(no_host_sync())  # the next step (from step 2 on)
-        return reason
-
+def _steps_without_sync(directory: str) -> list[int]:
+    """Steps 2..7 under ``no_host_sync`` while the saves of 3 and 6 are written in the
+    background (each save may sync, as its heartbeat allowance says)."""
+    guard = GuardedSteps(last=7)
     trainer, _ = build(train_argv("gpt2", 7, *ASYNC, "--save", directory, "--save-interval",
                                   "3", "--log-interval", "100"),
-                       Overrides(progress=progress,
-                                 save=lambda saver: _SyncsAllowed(saver, progress, 7, guard)),
-                       on_step=lambda it, _: done.append(it))
-    with slow_writes(SLOW_S) as writes, mock.patch.object(ExitWatch, "should_stop", watch):
+                       heartbeat=guard, on_step=guard.on_step)
+    with slow_writes(SLOW_S) as writes:
         trainer.run()
     assert [it for it, _, _ in writes] == [3, 6, 7]
-    return len(done)
+    return guard.guarded
 
 
 def test_steps_never_sync_with_the_host_while_a_save_is_written(tmp_path):
-    assert run_distributed(_steps_without_sync, 2, str(tmp_path / "ckpt")) == [7, 7]
+    assert run_distributed(_steps_without_sync, 2, str(tmp_path / "ckpt")) == [
+        list(range(2, 8))] * 2

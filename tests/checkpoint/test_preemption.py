@@ -32,7 +32,7 @@ from tests.helpers.preemption import (
     latest,
 )
 
-EXIT_TIMEOUT_S = 10.0  # a signalled run finishes one step and saves a tiny checkpoint
+EXIT_TIMEOUT_S = 10.0  # a signalled run finishes two steps and saves a tiny checkpoint
 
 
 class Run:
@@ -170,7 +170,7 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
         assert ma[key] == mb[key], (key, ma[key], mb[key])
 
 
-# 1. SIGTERM / SIGUSR1: stop at the next step boundary, save, exit 0.
+# 1. SIGTERM / SIGUSR1: stop a step after the step in flight (agreed a step late), save, exit 0.
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
 def test_signal_saves_and_exits_cleanly(tmp_path, signum):
@@ -184,9 +184,10 @@ def test_signal_saves_and_exits_cleanly(tmp_path, signum):
     assert code == 0, f"exit code {code}:\n{run.tail}"
     assert took < EXIT_TIMEOUT_S, took
     last = max(run.iterations())
-    # The step in flight finishes, then the run stops; the slack is for the reader thread
-    # lagging the child on a loaded machine (a run that ignored the flag would go on).
-    assert seen <= last <= seen + 3, (seen, last)
+    # The step in flight finishes, the ranks agree on the signal after the next one, then
+    # the run stops; the rest of the slack is for the reader thread lagging the child on a
+    # loaded machine (a run that ignored the flag would go on).
+    assert seen <= last <= seen + 4, (seen, last)
     assert f"stopping at iteration {last}" in run.output, run.tail
     assert latest(save) == last >= 3
     assert_complete(save, last)

@@ -1,7 +1,11 @@
-"""The pipeline engine's start-up handshake: neighbours that disagree on the activations they
-exchange both fail with both shapes, instead of one failing and the other waiting forever."""
+"""The pipeline engine: its start-up handshake (neighbours that disagree on the activations
+they exchange both fail with both shapes, instead of one failing and the other waiting
+forever), what it keeps of sent outputs and received activations, and when it waits for a
+transfer."""
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -188,3 +192,48 @@ def _computations_while_in_flight(events: list[tuple]) -> list[int]:
             waited = events.index(("wait", label), i)
             counts.append(sum(e[0] == "compute" for e in events[i:waited]) - 1)
     return counts
+
+
+class _ReceivedActivations:
+    """A traffic observer: how many received activations (``recv`` of an "F" message) are
+    alive at once, by weak reference, at the most."""
+
+    def __init__(self) -> None:
+        self.alive = self.peak = 0
+
+    def __call__(self, kind: str, tensor: torch.Tensor, axis, peer, tag) -> None:
+        if kind == "recv" and tag[0] == "F":
+            self.alive += 1
+            self.peak = max(self.peak, self.alive)
+            weakref.finalize(tensor, self._freed)
+
+    def _freed(self) -> None:
+        self.alive -= 1
+
+
+def _peak_received(chunks: int, micro_batches: int) -> dict[str, int]:
+    """The most received activations alive at once on this rank in a training batch (1F1B,
+    or interleaved) and in an evaluation batch, of ``micro_batches`` each."""
+    from megatron3d.mpu import traffic
+
+    engine, _ = _linear_pipeline(chunks)
+    batches = [_Batch(torch.randn(SHAPE)) for _ in range(micro_batches)]
+    peaks = {}
+    for name, run in (("train", lambda: engine.forward_backward(batches, 1.0)),
+                      ("eval", lambda: engine.forward_only(batches))):
+        with traffic.observing(_ReceivedActivations()) as counter:
+            run()
+        peaks[name] = counter.peak
+    return peaks
+
+
+def test_evaluation_holds_no_more_received_activations_than_training():
+    """Evaluation under PP=2 with 16 micro-batches: each stage holds at most as many
+    received activations at once as training does, the last stage one (each is dropped once
+    its forward has read it; training's 1F1B held 1 there, interleaved 3). Mutation: keeping
+    them in ``run.inputs`` until the batch ends, as before, holds all 16 (32 interleaved: one
+    per micro-batch and chunk) and fails."""
+    for chunks in (1, 2):
+        peaks = run_distributed(_peak_received, 2, chunks, 16, timeout_s=60)
+        assert all(rank["eval"] <= rank["train"] for rank in peaks), (chunks, peaks)
+        assert peaks[-1]["eval"] == 1, (chunks, peaks)

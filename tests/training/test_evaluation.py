@@ -136,7 +136,8 @@ def test_train_samples_is_the_stop_reason(capsys):
 
 
 def test_a_signal_stops_without_evaluation(tmp_path, capsys):
-    """Preemption: save and go; the job is about to be killed, so no end-of-run evaluation."""
+    """Preemption: save and go; the job is about to be killed, so no end-of-run evaluation.
+    The signal comes during iteration 2's hooks: the ranks agree on it after step 3."""
     devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
     try:
         setup_logging(0, log_rank=0)  # as pretrain_gpt.main, onto this test's stdout
@@ -147,10 +148,10 @@ def test_a_signal_stops_without_evaluation(tmp_path, capsys):
     finally:
         torch.distributed.destroy_process_group()
     out = capsys.readouterr().out
-    assert "stopping at iteration 2 (signal SIGUSR1)" in out
+    assert "stopping at iteration 3 (signal SIGUSR1)" in out
     assert "no end-of-run evaluation: stopped by signal SIGUSR1" in out
     assert not _evaluations(out)
-    assert SUMMARY.search(out).groups()[4:] == (str(tmp_path / "iter_0000002"), "signal SIGUSR1")
+    assert SUMMARY.search(out).groups()[4:] == (str(tmp_path / "iter_0000003"), "signal SIGUSR1")
 
 
 def test_no_evaluation_with_eval_iters_0(capsys):
@@ -179,22 +180,31 @@ def _watch(**cfg: object) -> ExitWatch:
 
 
 def test_should_stop_names_the_reason():
-    assert _watch(save="/ckpt").should_stop(3) is None
-    watch = _watch(save="/ckpt")
-    watch._on_signal(signal.SIGUSR1, None)
-    assert watch.should_stop(3) == "signal SIGUSR1"
-    assert _watch(exit_interval=3).should_stop(3) == "--exit-interval 3"
-    assert _watch(exit_interval=3).should_stop(4) is None
-    assert _watch(exit_duration_in_mins=1.5, exit_interval=2).should_stop(2) == (
-        "--exit-interval 2 and --exit-duration-in-mins 1.5")
+    """The flags a rank holds after a step are agreed after the next one (what is there as
+    training starts, after the first step), after the last step at once; --exit-interval is
+    exact."""
+    with _watch(save="/ckpt") as watch:
+        assert watch.should_stop(3) is None
+        watch._on_signal(signal.SIGUSR1, None)
+        assert watch.should_stop(4) is None and not watch.pressed
+        assert watch.should_stop(5) == "signal SIGUSR1" and watch.pressed
+    with _watch(save="/ckpt") as watch:
+        watch._on_signal(signal.SIGTERM, None)
+        assert watch.should_stop(7, last=True) == "signal SIGTERM" and watch.pressed
+    with _watch(exit_interval=3) as watch:
+        assert watch.should_stop(2) is None
+        assert watch.should_stop(3) == "--exit-interval 3" and not watch.pressed
+    with _watch(exit_duration_in_mins=1.5, exit_interval=2) as watch:  # started 2 min ago
+        assert watch.should_stop(2) == "--exit-interval 2 and --exit-duration-in-mins 1.5"
 
 
-def test_the_kill_switch_stops_at_the_next_iteration(tmp_path, capsys):
+def test_the_kill_switch_stops_a_step_after_it_appears(tmp_path, capsys):
     switch = tmp_path / "stop-now"
-    watch = _watch(kill_switch_path=str(switch))
-    assert watch.should_stop(1) is None and not watch.pressed
-    switch.touch()
-    assert watch.should_stop(2) == f"kill switch {switch}" and watch.pressed
+    with _watch(kill_switch_path=str(switch)) as watch:
+        assert watch.should_stop(1) is None and not watch.pressed
+        switch.touch()
+        assert watch.should_stop(2) is None
+        assert watch.should_stop(3) == f"kill switch {switch}" and watch.pressed
     out = _run(capsys, "--kill-switch-path", str(switch), "--save", str(tmp_path / "ckpt"))
     assert "stopping at iteration 1 (kill switch" in out  # the file is there from the start
     assert SUMMARY.search(out).groups()[4:] == (str(tmp_path / "ckpt" / "iter_0000001"),
