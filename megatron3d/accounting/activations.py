@@ -65,18 +65,20 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
       the fp32 rstd and the normalised activation.
     - qkv input / fc1 input: the column-parallel linears keep their input, [N, h] (under SP
       the shard: backward gathers it again).
-    - q, k, v: the fused QKV output [M, 3h/t], kept whole by the views of it; rotary
-      embeddings add rotated copies of q and k.
+    - q, k, v: the fused QKV output [M, (n + 2G) d / t] for n query heads in G groups, kept
+      whole while any view of it is saved. What attention saves instead of a view: rotated
+      copies of q and k (rotary embeddings), a copy of q (several groups of several heads on
+      a rank: q's heads are not contiguous), and k and v expanded to every query head
+      (grouped-query attention, except under selective recompute, whose checkpoint keeps
+      its grouped inputs).
     - attention output: [M, h/t], kept by the output projection (the kernel's output shares
       its storage); without recompute the kernel's log-sum-exp [b, n/t, s] fp32 too.
     - MLP: GeLU keeps its input and the output projection the activation, [M, f/t] each;
       SwiGLU the stacked gate/up [M, 2f/t], silu(gate) and the product.
     - dropout masks: one byte per element of the [N, h] attention and MLP outputs.
 
-    Full recompute keeps only the layer input [N, h]. Grouped-query attention is not counted.
+    Full recompute keeps only the layer input [N, h].
     """
-    if cfg.group_query_attention:
-        raise ValueError("the count covers multi-head attention only (no GQA)")
     e = dtype.itemsize
     s, b, h, t = cfg.seq_length, micro_batch, cfg.hidden_size, tp
     big = s * b  # M: tokens inside the TP region
@@ -84,14 +86,20 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
     if cfg.recompute == "full":
         return {"layer input": e * small * h}
     heads, d, f = cfg.num_attention_heads // t, cfg.head_dim, cfg.ffn_size // t
+    groups, rope = cfg.query_groups // t, cfg.position_embedding_type == "rope"
+    expanded = groups < heads and cfg.recompute != "selective"  # SDPA saves full-head k, v
+    q_copy = not rope and 1 < groups < heads  # q.reshape across groups copies
+    fused_kept = not expanded or not (rope or q_copy)  # some saved tensor views it
     stat = e if device_type == "cpu" else FP32
     norm = (FP32 * small * h + FP32 * small + e * small * h if cfg.normalization == "rmsnorm"
             else e * small * h + 2 * stat * small)
     terms = {
         "norms": 2 * norm,
         "qkv input": e * small * h,
-        "q, k, v": e * big * 3 * heads * d,
-        "rotated q, k": e * big * 2 * heads * d if cfg.position_embedding_type == "rope" else 0,
+        "q, k, v": e * big * (heads + 2 * groups) * d if fused_kept else 0,
+        "rotated q, k": e * big * (heads + (0 if expanded else groups)) * d if rope else 0,
+        "q copy": e * big * heads * d if q_copy else 0,
+        "expanded k, v": e * big * 2 * heads * d if expanded else 0,
         "attention output": e * big * heads * d,
         "log-sum-exp": FP32 * b * heads * s if cfg.recompute is None else 0,
         "fc1 input": e * small * h,

@@ -1,7 +1,7 @@
 """The planner's activation part: per micro-batch, what each pipeline chunk keeps for
 backward (embedding, norms, blocks, head and loss) against the saved bytes of a real CPU
-forward within 10%; and how many micro-batches a rank holds, read from its real program,
-against the pipeline simulator and for long programs."""
+forward within 10%, grouped-query attention included; and how many micro-batches a rank
+holds, read from its real program, against the pipeline simulator and for long programs."""
 
 from __future__ import annotations
 
@@ -11,17 +11,16 @@ import pytest
 import torch
 
 from megatron3d.accounting.activations import saved_bytes
+from megatron3d.accounting.in_flight import Activations, in_flight_states
 from megatron3d.config import ModelConfig
 from megatron3d.model.context import LayerContext
-from megatron3d.model.gpt import gpt_layer_specs, lm_loss
+from megatron3d.model.gpt import gpt_layer_specs, lm_loss, stage_bounds
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.instructions import Backward, Forward
 from megatron3d.pipeline.interleaved import interleaved_1f1b
 from megatron3d.pipeline.schedule import schedule_for
 from megatron3d.pipeline.simulate import simulate
-from megatron3d.planner.memory import Activations, in_flight_states
-from megatron3d.validation import stage_bounds
 from tests.helpers.tiny import FLAVOURS
 
 ACTIVATION_RTOL = 0.10  # the issue's bound: the model within 10% of the measured bytes
@@ -58,10 +57,15 @@ def _measured_chunks(cfg: ModelConfig, bounds: tuple[int, ...]) -> list[int]:
     return sizes
 
 
+GQA = {"group_query_attention": True, "num_query_groups": 2}  # 2 query heads per group
+MODELS = {**FLAVOURS, "gpt2 gqa": {**FLAVOURS["gpt2"], **GQA},
+          "llama gqa": {**FLAVOURS["llama"], **GQA}}
+
+
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
-@pytest.mark.parametrize("flavour", list(FLAVOURS))
+@pytest.mark.parametrize("flavour", list(MODELS))
 def test_chunk_activations_match_saved_bytes(flavour, recompute):
-    cfg = ModelConfig(**{**SHAPE, **FLAVOURS[flavour], "recompute_granularity": recompute})
+    cfg = ModelConfig(**{**SHAPE, **MODELS[flavour], "recompute_granularity": recompute})
     bounds = stage_bounds(cfg, 3, "uniform", 1)  # embedding+, blocks, +head and loss
     model = Activations(cfg, MICRO_BATCH, 1, False, BF16, device_type="cpu")
     names = [spec.type_name for spec in gpt_layer_specs(LayerContext(
