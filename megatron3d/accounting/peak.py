@@ -22,7 +22,8 @@ caching allocator's reserve on top of the tensors):
   pipeline messages;
 - save: every state and the save's staging (``overheads.SAVE_STAGING_BYTES``).
 
-A phase the run does not go through is left out (``phases_run``: no save without ``--save``).
+Every phase is reported; the peak is over those the run goes through (``phases_run``: no
+save without ``--save``).
 
 Buffers held for the whole run are in every phase: the reducer's bf16 gradient copies
 (``--grad-reduce-in-bf16``), the ALiBi bias and the rotary tables.
@@ -88,10 +89,12 @@ class PhaseMemory:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Every phase of one pipeline rank, and its steady states (parameters, gradients and
-    optimizer state after the first step)."""
+    """Every phase of one pipeline rank, ``runs`` the ones its run goes through (the peak is
+    theirs), and its steady states (parameters, gradients and optimizer state after the
+    first step)."""
 
     phases: tuple[PhaseMemory, ...]
+    runs: tuple[str, ...]
     states: MemoryBytes
 
     def phase(self, name: str) -> PhaseMemory:
@@ -99,7 +102,7 @@ class RankMemory:
 
     @functools.cached_property
     def peak(self) -> PhaseMemory:
-        return max(self.phases, key=lambda p: p.total)
+        return max((p for p in self.phases if p.phase in self.runs), key=lambda p: p.total)
 
     @property
     def total(self) -> int:
@@ -150,7 +153,7 @@ def rank_memory(cfg: TrainConfig, buffers: Buffers, dp: int, rank: int, micro_ba
     return RankMemory(tuple(
         PhaseMemory(phase, tuple((name, size) for name, size in parts[phase].items() if size),
                     overheads.CUDA_CONTEXT_BYTES if on_cuda else 0, nccl if on_cuda else 0,
-                    device_type) for phase in phases_run(cfg)), states)
+                    device_type) for phase in PHASES), phases_run(cfg), states)
 
 
 def phases_run(cfg: TrainConfig) -> tuple[str, ...]:

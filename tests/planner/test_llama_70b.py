@@ -2,9 +2,10 @@
 MLP of 28672, RMSNorm, rotary positions, untied embeddings, vocabulary 32000, sequence 4096,
 no dropout; GBS 1024 sequences, Llama 2's 4M tokens) on 16 nodes of 8 x A100-80GB.
 
-The planner's first choice leaves the default 10% headroom free, the search tries sequence
-parallelism and selective recompute, and the layout an earlier planner put first at 79.5 of
-80 GiB (TP 8 x PP 8 x DP 2, micro-batch 1, ZeRO-1, no recompute) is now out of memory. The
+The planner's first choice leaves the default 10% headroom free (layouts that would fit only
+into it are refused), the search tries sequence parallelism and selective recompute, the
+layout an earlier planner put first at 79.5 of 80 GiB (TP 8 x PP 8 x DP 2, micro-batch 1,
+ZeRO-1, no recompute) is now out of memory, and so is ZeRO-3 over all 128 ranks, at build. The
 partition method is fixed to the default ``parameters`` to keep the test short (the full
 search, 11,124 layouts, picks the same first layout).
 """
@@ -38,6 +39,11 @@ def test_first_choice_stays_below_90_percent_of_memory(plans):
     first = plans[0]
     assert first.feasible, first.reason
     assert first.memory.total <= 0.9 * GPU_GIB * GIB, first.memory.total / GIB
+    assert all(p.memory.total <= 0.9 * GPU_GIB * GIB for p in plans if p.feasible)
+    edge = [p for p in plans if p.memory is not None
+            and 0.9 * GPU_GIB * GIB < p.memory.total <= GPU_GIB * GIB]
+    assert edge and not any(p.feasible for p in edge)  # would fit, but for the headroom
+    assert "(80.0 GiB less 10% headroom)" in edge[0].reason
 
 
 def test_search_tries_sequence_parallelism_and_selective_recompute(plans):
@@ -53,3 +59,10 @@ def test_the_old_first_choice_at_the_edge_is_out_of_memory(plans):
     with_sp = next(p for p in plans
                    if p.layout == Layout(8, 8, 2, 1, 1, "none", "parameters", 1, True))
     assert with_sp.feasible  # sequence parallelism shrinks what the blocks keep by TP
+
+
+def test_zero3_over_128_ranks_cannot_even_build(plans):
+    """The whole model exists on every rank before ZeRO-3 shards it: 129 GiB of bf16."""
+    plan = next(p for p in plans if p.layout == Layout(1, 1, 128, 1, 3, "full", "parameters"))
+    assert plan.memory.peak.phase == "build" and plan.reason.startswith("out of memory")
+    assert plan.memory.phase("train").total < 0.5 * GPU_GIB * GIB  # the step alone would fit

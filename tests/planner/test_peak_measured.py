@@ -2,7 +2,8 @@
 a whole run creates (build, two training steps, an evaluation), counted by ``PeakMemory``,
 equals the model's peak on the CPU (no CUDA context, NCCL or allocator reserve there) within
 5%, in one process for every flavour, precision and recompute, and on every rank of a
-pipeline and of a ZeRO-1 run with bf16 gradient reduction.
+pipeline, of ZeRO-1 with bf16 gradient reduction, of ZeRO-3 and of TP with sequence
+parallelism.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def _measure_rank(argv: list[str]) -> tuple[int, int]:
 @pytest.mark.parametrize("extra", [
     ("--pipeline-model-parallel-size", "2", "--bf16", "--recompute-granularity", "full"),
     ("--zero-stage", "1", "--bf16", "--grad-reduce-in-bf16"),
-], ids=["pp2", "zero1-dp2"])
+    ("--zero-stage", "3", "--bf16"),
+    ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"),
+], ids=["pp2-full", "zero1-dp2-bf16-wire", "zero3-dp2", "tp2-sp"])
 def test_every_rank_of_a_parallel_run_peaks_where_the_model_says(extra):
     for measured, predicted in run_distributed(_measure_rank, 2, _argv("gpt2", *extra)):
         assert abs(predicted - measured) <= MODEL_RTOL * measured, (predicted, measured)
