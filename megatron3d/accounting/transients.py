@@ -13,19 +13,12 @@ from megatron3d.accounting.activations import FP32
 from megatron3d.accounting.in_flight import Activations
 
 
-def mlp_width(sizes: Activations) -> int:
-    """Columns per token of the MLP's widest activation on one TP rank: the fc1 output
-    [M, f/t], or SwiGLU's stacked gate and up projections [M, 2f/t]."""
+def mlp_widths(sizes: Activations) -> tuple[int, int]:
+    """Columns per token of the MLP on one TP rank: (its activation's output, the fc2 input:
+    f/t; fc1's output: f/t, or SwiGLU's stacked gate and up projections, 2f/t)."""
     model = sizes.model
-    return model.ffn_size // sizes.tp * (2 if model.swiglu else 1)
-
-
-def largest_weight(sizes: Activations) -> int:
-    """Elements of a transformer layer's largest weight on one TP rank: the fused QKV
-    projection [(n + 2G) d / t, h] or the MLP's fc1 [f/t (x2 for SwiGLU), h]."""
-    model = sizes.model
-    qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim // sizes.tp
-    return model.hidden_size * max(qkv, mlp_width(sizes))
+    inner = model.ffn_size // sizes.tp
+    return inner, inner * (2 if model.swiglu else 1)
 
 
 def model_buffers(sizes: Activations, names: Sequence[str]) -> dict[str, int]:
@@ -45,23 +38,35 @@ def backward_working_set(sizes: Activations, names: Sequence[str], padded_vocab:
     """The most a backward step of this rank allocates beyond the activations in flight, the
     largest of:
 
-    - a transformer layer's: under full recompute the layer's activations rebuilt as if
-      nothing were recomputed, and the gradient of its MLP activation [M, width]; without
-      full recompute two such gradients (entering and leaving the activation function);
-      either way the gradient of its largest weight, in the model dtype, before the
-      gradient hook adds it into the fp32 buffer and frees it;
-    - the input embedding's weight gradient [v/t, h] (dense, model dtype);
+    - a transformer layer's, beside the gradient of the residual stream [N, h] that arrives
+      at it and lives through its backward. In its MLP (its widest part), under full
+      recompute: the layer's activations rebuilt as if nothing were recomputed, and fc2's
+      input and weight gradients [M, f/t] and [h, f/t]. Otherwise: fc1's output gradient
+      [M, w] (w: f/t, or 2f/t for SwiGLU's gate and up) beside either a second one (the
+      activation function's input and output gradients) or fc1's weight and input
+      gradients [h, w] and [N, h]; or an RMSNorm's backward (torch's, computed in fp32, as
+      ``kernels.rms_norm`` falls back without apex): four fp32 and three model-dtype
+      tensors [N, h]. Weight gradients are in the model dtype until the gradient hook adds
+      them into the fp32 buffer and frees them;
+    - the input embedding's weight gradient [v/t, h] (dense, model dtype) beside the
+      gradient reaching it [N, h] (and, with hidden dropout, the dropout's input gradient);
     - the LM head's logits [s, b, v/t] (or their gradient) and its weight gradient [v/t, h].
     """
     e, model = sizes.dtype.itemsize, sizes.model
-    width = e * sizes.tokens * mlp_width(sizes)
-    table = e * (padded_vocab // sizes.tp) * model.hidden_size
+    h, tokens = model.hidden_size, sizes.tokens
+    stream = e * sizes.outside * h
+    inner, fc1 = mlp_widths(sizes)
+    table = e * (padded_vocab // sizes.tp) * h
     candidates = [0]
-    if "TransformerLayer" in names:
-        grads = width + (sizes.layer(recompute=False) if model.recompute == "full" else width)
-        candidates.append(grads + e * largest_weight(sizes))
+    if "TransformerLayer" in names and model.recompute == "full":
+        candidates.append(stream + sizes.layer(recompute=False) + e * inner * (tokens + h))
+    elif "TransformerLayer" in names:
+        gradient = e * tokens * fc1
+        candidates.append(stream + gradient + max(gradient, e * fc1 * h + stream))
+        if model.normalization == "rmsnorm":
+            candidates.append(stream + (4 * FP32 + 3 * e) * sizes.outside * h)
     if "InputEmbedding" in names:
-        candidates.append(table)
+        candidates.append(table + stream * (2 if model.hidden_dropout > 0 else 1))
     if "OutputEmbedding" in names:
         candidates.append(sizes.logits(padded_vocab) + table)
     return max(candidates)
