@@ -13,7 +13,8 @@ fit check.
   Measured with PyTorch on 4 x A100 with NVLink, one all-reduce per group: 688 MiB for a
   group of more than two GPUs, 544 MiB for two (NVIDIA/nccl issue #964). Every process group
   a rank runs NCCL collectives or batched point-to-point on is one communicator
-  (``nccl_groups``); PyTorch creates each at its first use and keeps it.
+  (``nccl_groups``); PyTorch creates each at its first use and keeps it. Every phase counts
+  them all (the build has used only some: a margin there).
 - ``ALLOCATOR_FRAGMENTATION``: PyTorch's caching allocator keeps what ``nvidia-smi`` shows
   (reserved memory), more than the tensors alive at the peak (allocated): freed blocks that
   later requests of other sizes cannot reuse. Over eight LLM training workloads on
