@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron3d import device as devices
-from megatron3d.accounting import memory
+from megatron3d.accounting import fit
 from megatron3d.checkpoint.loading import with_checkpoint_args
 from megatron3d.checkpoint.safety import check_paths
 from megatron3d.cli.arguments import format_config, parse_command_line
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.data.dry_run_data:
             sys.stdout.write(_dry_run(cfg, env.world_size) + "\n")
             return 0
-        memory.check_fits(cfg, env.world_size, devices.memory_capacity(env))
+        fit.check_fits(cfg, env.world_size, devices.memory_capacity(env),
+                       "cuda" if devices.accelerator_available() else "cpu")
         check_paths(cfg.checkpoint, cfg.training.skip_train)  # before hang dumps go under --save
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")

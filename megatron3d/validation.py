@@ -19,7 +19,6 @@ calls feasible is one ``pretrain_gpt.py`` accepts.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -36,14 +35,11 @@ from megatron3d.config import (
 from megatron3d.data.builder import parse_split
 from megatron3d.data.tokenizer import TokenizerSpec
 from megatron3d.errors import ConfigError
-from megatron3d.model.context import LayerContext
-from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts
-from megatron3d.mpu.state import AxisGroup
+from megatron3d.model.gpt import stage_bounds
 from megatron3d.mpu.topology import Topology
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.pipeline.interleaved import check_interleaving
-from megatron3d.pipeline.partition import partition_layers
 
 
 def flag(name: str) -> str:
@@ -271,26 +267,6 @@ def _check_partition(cfg: TrainConfig) -> None:
     parallel = cfg.parallel
     stage_bounds(cfg.model, parallel.pipeline_model_parallel_size, parallel.pp_partition_method,
                  parallel.virtual_size(cfg.model.num_layers))
-
-
-@functools.cache
-def stage_bounds(model: ModelConfig, stages: int, method: str, chunks: int) -> tuple[int, ...]:
-    """``partition_layers`` of the model's layers (``layer_table``) into ``stages`` x
-    ``chunks`` virtual stages, as ``build_engine`` splits them; cached like the table."""
-    names, counts = layer_table(model)
-    return tuple(partition_layers(list(names), list(counts), stages, method, chunks))
-
-
-@functools.cache
-def layer_table(model: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(type names, parameter counts) of the model's layers as the partitioner sees them,
-    counted on the meta device and cached (the planner validates thousands of layouts of one
-    model). With real data the vocabulary is not known yet and counts as one token: it
-    changes no layer's type and leaves every count > 0, so feasibility is the same."""
-    model = model if model.vocab_size else dataclasses.replace(model, vocab_size=1)
-    ctx = LayerContext(model, AxisGroup.single(), seed=0)
-    return (tuple(spec.type_name for spec in gpt_layer_specs(ctx)),
-            tuple(layer_param_counts(ctx)))
 
 
 def _check_checkpoint(checkpoint: CheckpointConfig, override: bool, keep: bool,

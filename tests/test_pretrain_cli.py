@@ -119,7 +119,8 @@ def test_bad_launcher_environment_exits_2(monkeypatch, capsys, env, named):
     (["--split", "nan,1,1"], "--split='nan,1,1'"),
     (["--num-layers", "1000000"], "--num-layers=1000000"),
     (["--train-iters", str(2**40)], f"--train-iters={2**40}"),
-    (["--num-layers", "64", "--hidden-size", "16384"], "the model does not fit: its parameters"),
+    (["--num-layers", "64", "--hidden-size", "16384"],
+     "the layout does not fit: out of memory: pipeline rank 0 needs"),
 ])
 def test_non_finite_or_absurd_numbers_exit_2(monkeypatch, capsys, flags, named):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

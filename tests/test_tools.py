@@ -237,13 +237,29 @@ def test_plan_topology_ranks_layouts_and_writes_json(capsys):
                                        "--top", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("model: ") and "cluster: 1 nodes x 4 GPUs" in out[0]
-    header = next(i for i, line in enumerate(out) if line.split()[:3] == ["#", "TP", "PP"])
+    header = next(i for i, line in enumerate(out) if line.split()[:3] == ["#", "TP", "SP"])
     assert len(out) == header + 4  # --top 3 rows
     assert out[header + 1].split()[:2] == ["1", "2"] and out[header + 1].endswith("feasible")
     assert tool("plan_topology").main([*PLAN, "--micro-batch-size", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     keys = {"tp", "pp", "dp", "micro_batch_size", "zero_stage", "checkpoint_activations",
-            "feasible", "reason", "memory_gb", "iteration_s", "tflops_per_gpu"}
+            "sequence_parallel", "feasible", "reason", "memory_gb", "peak_phase", "phases_gb",
+            "parts_gb", "iteration_s", "tflops_per_gpu"}
     assert rows and all(keys <= set(row) for row in rows)
     assert {row["micro_batch_size"] for row in rows} == {2}
     assert rows[0]["feasible"] and rows[-1]["memory_gb"] is None  # refused: nothing judged
+    assert {row["sequence_parallel"] for row in rows} == {False, True}  # enumerated with TP
+
+
+def test_plan_topology_fixes_sequence_parallelism_and_keeps_the_headroom(capsys):
+    assert tool("plan_topology").main([*PLAN, "--micro-batch-size", "2", "--tp", "2",
+                                       "--sequence-parallel", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["sequence_parallel"] for row in rows} == {True}
+    need = min(row["memory_gb"] for row in rows if row["memory_gb"] is not None)
+    for headroom, feasible in (("0", True), ("0.5", False)):
+        assert tool("plan_topology").main([
+            *PLAN, "--micro-batch-size", "2", "--tp", "2", "--sequence-parallel", "--json",
+            "--gpu-memory-gb", str(need * 1.001), "--memory-headroom", headroom]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert any(row["feasible"] for row in rows) == feasible

@@ -1,5 +1,6 @@
-"""Per-rank memory of parameters, gradients and optimizer state: the one model the topology
-planner, the start-up report and the up-front fit check share, and what a rank really holds.
+"""Per-rank memory of parameters, gradients and optimizer state: the states part of the one
+memory model the topology planner, the start-up report and the up-front fit check share
+(``peak.py`` adds the rest, phase by phase), and what a rank really holds.
 
 ``state_bytes`` turns a rank's buffer sizes (``Buffers``, in elements) into bytes:
 
@@ -15,30 +16,27 @@ planner, the start-up report and the up-front fit check share, and what a rank r
 The sizes come from the real layout (``planned_buffers``: the rank's stage and its ZeRO
 buffers are built on the meta device by the framework's own code, so every padding, bucket
 and slot is the run's and nothing is allocated), or from totals alone (``analytic``: the
-start-up report and ``check_fits`` know a rank's parameter count, not its padding).
+start-up report knows a rank's parameter count, not its padding).
 ``measured`` reads the real buffers of a run.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from megatron3d import device as devices
 from megatron3d.config import TrainConfig
-from megatron3d.errors import ConfigError
 from megatron3d.model.context import LayerContext
-from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts
+from megatron3d.model.gpt import gpt_layer_specs
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
-from megatron3d.pipeline.partition import partition_layers
 from megatron3d.pipeline.spec import VirtualStages, build_chunks
 from megatron3d.zero.factory import DataParallel, build_data_parallel
 
 FP32 = 4
+BF16 = 2
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, per updated element
 
 
@@ -65,13 +63,21 @@ class Buffers:
 
     flat: the padded flat layout of the rank's parameters; shard: the elements it updates
     (its slices under ZeRO-1/3, padding included; ``flat`` without ZeRO); updated: the real
-    parameter elements among them; slots: ZeRO-3's slot elements (0 otherwise).
+    parameter elements among them; slots: ZeRO-3's slot elements (0 otherwise); params: the
+    stage's parameters as built, before ZeRO binds them (``flat`` when unknown); unit: the
+    largest bucket (ZeRO-3 flattens one unit at a time while it shards them).
     """
 
     flat: int
     shard: int
     updated: int
     slots: int = 0
+    params: int | None = None
+    unit: int = 0
+
+    @property
+    def built(self) -> int:
+        return self.flat if self.params is None else self.params
 
 
 def state_bytes(buffers: Buffers, param_bytes: int, zero_stage: int, dp: int,
@@ -89,6 +95,19 @@ def state_bytes(buffers: Buffers, param_bytes: int, zero_stage: int, dp: int,
     sliced = FP32 * buffers.shard if zero_stage == 1 else 0
     return MemoryBytes(params=param_bytes * buffers.flat, grads=FP32 * buffers.flat + sliced,
                        optimizer_state=optimizer)
+
+
+def moment_bytes(buffers: Buffers) -> int:
+    """Adam's two fp32 moments, which the optimizer allocates at its first step."""
+    return ADAM_MOMENTS * FP32 * buffers.updated
+
+
+def wire_bytes(buffers: Buffers, zero_stage: int, dp: int, grad_reduce_in_bf16: bool) -> int:
+    """The reducer's bf16 copies of the flat gradients and of its ZeRO-1 slice, allocated at
+    start with ``--grad-reduce-in-bf16`` (ZeRO-0/1; ZeRO-3's are in its slots)."""
+    if not grad_reduce_in_bf16 or dp == 1 or zero_stage == 3:
+        return 0
+    return BF16 * (buffers.flat + (buffers.shard if zero_stage else 0))
 
 
 def analytic(num_params: int, param_bytes: int, zero_stage: int, dp: int,
@@ -116,8 +135,10 @@ def planned_buffers(cfg: TrainConfig, tp: int, dp: int,
         lambda _param: True, meta, tuple(len(chunk.layers) for chunk in chunks))
     shard = data_parallel.shard
     updated = sum(end - start for _, start, end, _ in shard.segment_parts())
+    params = sum(p.numel() for p in stage.parameters())
     return Buffers(flat=shard.layout.numel, shard=shard.numel, updated=updated,
-                   slots=live_numel(data_parallel))
+                   slots=live_numel(data_parallel), params=params,
+                   unit=max(bucket.numel for bucket in shard.layout.buckets))
 
 
 def _axis(size: int) -> AxisGroup:
@@ -145,36 +166,3 @@ def report(title: str, expected: MemoryBytes, actual: MemoryBytes | None = None)
         if allocated is not None:
             lines.append(f"  device allocated {allocated:,} B")
     return "\n".join(lines)
-
-
-def fullest_rank_lower_bound(cfg: TrainConfig, world_size: int) -> int:
-    """Bytes of parameters, gradients and optimizer state on the fullest rank, at least: the
-    largest pipeline stage (partitioned as training will) split evenly over TP. Norms and
-    biases are really replicated and activations come on top, so the truth is higher; with
-    real data the vocabulary is not known yet and counts as one token."""
-    model = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=1)
-    ctx = LayerContext(model, AxisGroup.single(), cfg.training.seed)
-    names = [spec.type_name for spec in gpt_layer_specs(ctx)]
-    counts = layer_param_counts(ctx)
-    parallel = cfg.parallel
-    bounds = partition_layers(names, counts, parallel.pipeline_model_parallel_size,
-                              parallel.pp_partition_method)
-    shared = cfg.model.tie_embeddings and bounds[-2] == 0  # one stage: one tied tensor
-    stage = max(sum(counts[a:b]) for a, b in itertools.pairwise(bounds)) - (
-        counts[-1] if shared else 0)
-    param_bytes = getattr(torch, cfg.precision.params_dtype_name).itemsize
-    return analytic(stage // parallel.tensor_model_parallel_size, param_bytes,
-                    parallel.zero_stage, parallel.data_parallel_size(world_size)).total
-
-
-def check_fits(cfg: TrainConfig, world_size: int, capacity: int) -> None:
-    """``ConfigError`` before any work when the model states alone exceed a rank's
-    ``capacity`` bytes (its device memory), instead of an out-of-memory error later."""
-    need = fullest_rank_lower_bound(cfg, world_size)
-    if need > capacity:
-        gib = 2.0**30
-        raise ConfigError(
-            f"the model does not fit: its parameters, gradients and optimizer state alone need "
-            f"at least {need / gib:.1f} GiB on the fullest rank, which has {capacity / gib:.1f}"
-            " GiB: raise --tensor-model-parallel-size or --pipeline-model-parallel-size, use "
-            "--zero-stage 1 or 3 with more data-parallel ranks, or --bf16, or shrink the model")

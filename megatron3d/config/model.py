@@ -143,6 +143,10 @@ class ParallelConfig:
         1000, "Check TP-replicated parameters are identical every N steps (0: only at start).",
         range=NON_NEGATIVE)
     print_topology: bool = option(False, "Print the rank/group table for this layout and exit.")
+    memory_headroom: float = option(
+        0.10, "Share of device memory the predicted peak must leave free: a layout needing "
+        "more than (1 - this) x the device's memory is refused at start (and not feasible "
+        "in tools/plan_topology.py).", range=PROBABILITY)
     overlap_param_gather: bool = option(
         False, "ZeRO-1: all-gather updated parameters asynchronously after the step, each "
         "bucket awaited just before its first use in the next forward.")

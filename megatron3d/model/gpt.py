@@ -8,14 +8,17 @@ without pipelining the whole list is one stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
+from megatron3d.config import ModelConfig
 from megatron3d.model.context import LayerContext
 from megatron3d.model.embedding import FinalNorm, InputEmbedding, InputNorm, OutputEmbedding
 from megatron3d.model.transformer import TransformerLayer
 from megatron3d.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron3d.mpu.state import AxisGroup
+from megatron3d.pipeline.partition import partition_layers
 from megatron3d.pipeline.spec import LayerSpec, Stage, build_stage
 
 
@@ -36,6 +39,29 @@ def layer_param_counts(ctx: LayerContext) -> list[int]:
     meta = dataclasses.replace(ctx, tp=AxisGroup.single(), device=torch.device("meta"),
                                rng=None)
     return [sum(p.numel() for p in spec.build().parameters()) for spec in gpt_layer_specs(meta)]
+
+
+@functools.cache
+def layer_table(model: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(type names, parameter counts) of the model's layers as the partitioner sees them,
+    counted on the meta device and cached (the planner judges thousands of layouts of one
+    model). With real data the vocabulary is not known yet and counts as one token: it
+    changes no layer's type and leaves every count > 0, so partitions are the same."""
+    bare = dataclasses.replace(model, vocab_size=model.vocab_size or 1,
+                               checkpoint_activations=False, recompute_granularity=None)
+    if bare != model:  # recompute changes no parameter: one table for every setting
+        return layer_table(bare)
+    ctx = LayerContext(model, AxisGroup.single(), seed=0)
+    return (tuple(spec.type_name for spec in gpt_layer_specs(ctx)),
+            tuple(layer_param_counts(ctx)))
+
+
+@functools.cache
+def stage_bounds(model: ModelConfig, stages: int, method: str, chunks: int) -> tuple[int, ...]:
+    """``partition_layers`` of the model's layers (``layer_table``) into ``stages`` x
+    ``chunks`` virtual stages, as ``build_engine`` splits them; cached like the table."""
+    names, counts = layer_table(model)
+    return tuple(partition_layers(list(names), list(counts), stages, method, chunks))
 
 
 def build_gpt(ctx: LayerContext) -> Stage:

@@ -12,7 +12,11 @@ import torch
 
 def rotary_tables(seq_length: int, head_dim: int, base: float,
                   device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [s, 1, 1, d], for the half-split ("rotate half") convention."""
+    """cos and sin, each [s, 1, 1, d], for the half-split ("rotate half") convention. On the
+    meta device only their shape is made (the planner builds thousands of layers there)."""
+    if device is not None and torch.device(device).type == "meta":
+        return (torch.empty(seq_length, 1, 1, head_dim, device=device),
+                torch.empty(seq_length, 1, 1, head_dim, device=device))
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float32), inv_freq)  # [s, d/2]
     angles = torch.cat([angles, angles], dim=-1)  # [s, d]

@@ -18,18 +18,17 @@ What no datasheet states is measured by others and cited here:
   BLOOM trained on), NVIDIA/nccl-tests issue #149.
 - ``NETWORK_EFFICIENCY``: the same between nodes: 84.8 GB/s average bus bandwidth of the
   100 GB/s of four 200 Gb/s HDR links per node, 3 nodes of 8 x A100, nccl-tests issue #119.
-- ``CUDA_CONTEXT_BYTES``: what a process shows in ``nvidia-smi`` before allocating anything
-  (CUDA context and kernels): 1573 MiB on an A100 (BigScience tr11 chronicles-prequel.md,
-  one tensor put on the GPU, then ``nvidia-smi``).
-- ``ALLOCATOR_SLACK``: PyTorch's caching allocator keeps freed activation blocks that later
-  requests of other sizes cannot reuse; reported waste ranges widely (up to 43% with virtual
-  pipelines and recompute, arXiv 2507.16274). A planning margin, not a measurement: 10% of
-  the activation and transient bytes (the states are allocated once, at start).
 
-Left out, as small at the scales a planner is for: NCCL's own buffers (NCCL_BUFFSIZE, 4 MiB
-per channel and peer), the optimizer step's time (memory-bound, well under 1% of a step of a
-100B+ model), collective latency, and the per-step all-reduces of sequence-parallel norm
-gradients.
+The memory model's constants are shared with the start-up fit check, so they live with it,
+each with its source, in ``megatron3d/accounting/overheads.py``: the CUDA context (1573 MiB,
+BigScience's ``nvidia-smi`` on an A100), an NCCL communicator (688 MiB, 544 MiB for two
+ranks: NVIDIA/nccl issue #964, A100 with NVLink), the caching allocator's fragmentation (15%
+of reserved memory: GMLake, ASPLOS 2024, eight LLMs on A100-80GB) and a save's staging
+(64 MiB, assumed).
+
+Left out, as small at the scales a planner is for: the optimizer step's time (memory-bound,
+well under 1% of a step of a 100B+ model), collective latency, and the per-step all-reduces
+of sequence-parallel norm gradients.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ from dataclasses import dataclass
 COMPUTE_EFFICIENCY = 0.55
 NVLINK_EFFICIENCY = 200 / 300
 NETWORK_EFFICIENCY = 84.8 / 100
-CUDA_CONTEXT_BYTES = 1573 * 2**20
-ALLOCATOR_SLACK = 0.10
 
 GIB = 2**30
 A100_80GB = {"gpu_memory_gb": 80.0, "gpu_peak_tflops": 312.0, "intra_node_gbps": 2400.0,

@@ -13,9 +13,9 @@ from megatron3d.mpu.state import AxisGroup
 from megatron3d.planner.hardware import GIB, Cluster
 from megatron3d.planner.search import Plan
 
-_HEADER = (f"{'#':>4} {'TP':>3} {'PP':>3} {'DP':>4} {'MBS':>3} {'ZeRO':>4} {'recompute':<9} "
-           f"{'v':>2} {'partition':<26} {'GiB':>6} {'s/iter':>8} {'TFLOPs':>7} {'bubble':>6}  "
-           "reason")
+_HEADER = (f"{'#':>4} {'TP':>3} {'SP':>2} {'PP':>3} {'DP':>4} {'MBS':>3} {'ZeRO':>4} "
+           f"{'recompute':<9} {'v':>2} {'partition':<26} {'GiB':>6} {'s/iter':>8} "
+           f"{'TFLOPs':>7} {'bubble':>6}  reason")
 
 
 def model_parameters(model: ModelConfig) -> int:
@@ -25,20 +25,32 @@ def model_parameters(model: ModelConfig) -> int:
 
 def to_json(plan: Plan) -> dict[str, Any]:
     """The object ``--json`` writes for one layout (GiB, seconds, TFLOP/s per GPU; six
-    significant digits), None where validation refused the layout before it was sized."""
+    significant digits), None where validation refused the layout before it was sized. The
+    memory is the fullest pipeline rank's: its peak, the phase it comes from, every phase's
+    peak, and the peak phase's parts (tensors by name, then the allocator's fragmentation,
+    the CUDA context and the NCCL communicators)."""
     layout, memory, time = plan.layout, plan.memory, plan.time
     sized, timed = memory is not None, time is not None
+    peak = memory.peak if sized else None
     return {
         "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
         "micro_batch_size": layout.micro_batch_size, "zero_stage": layout.zero_stage,
         "checkpoint_activations": layout.checkpoint_activations,
         "recompute": layout.recompute, "partition_method": layout.partition_method,
         "virtual_pipeline_model_parallel_size": layout.virtual,
+        "sequence_parallel": layout.sequence_parallel,
         "feasible": plan.feasible, "reason": plan.reason,
-        "memory_gb": _significant(memory.total / GIB) if sized else None,
+        "memory_gb": _gib(memory.total) if sized else None,
+        "peak_phase": peak.phase if sized else None,
         "fullest_pipeline_rank": plan.fullest_rank if sized else None,
-        "states_gb": _significant(memory.states.total / GIB) if sized else None,
-        "activations_gb": _significant(memory.activations / GIB) if sized else None,
+        "phases_gb": {p.phase: _gib(p.total) for p in memory.phases} if sized else None,
+        "parts_gb": {**{name: _gib(size) for name, size in peak.parts},
+                     "allocator fragmentation": _gib(peak.reserve),
+                     "CUDA context": _gib(peak.context),
+                     "NCCL communicators": _gib(peak.nccl)} if sized else None,
+        "states_gb": _gib(memory.states.total) if sized else None,
+        "activations_gb": _gib(memory.phase("train").part("activations in flight"))
+        if sized else None,
         "iteration_s": _significant(time.iteration_s) if timed else None,
         "tflops_per_gpu": _significant(time.tflops_per_gpu) if timed else None,
         "bubble_fraction": _significant(time.bubble_s / time.iteration_s) if timed else None,
@@ -50,6 +62,10 @@ def _significant(value: float) -> float:
     return float(f"{value:.6g}")
 
 
+def _gib(size: int) -> float:
+    return _significant(size / GIB)
+
+
 def table(plans: list[Plan], top: int) -> str:
     """The first ``top`` rows of ``plans`` (all when 0), in their order."""
     rows = [_HEADER]
@@ -57,7 +73,8 @@ def table(plans: list[Plan], top: int) -> str:
         layout, row = plan.layout, to_json(plan)
         bubble = "-" if row["bubble_fraction"] is None else f"{row['bubble_fraction']:.1%}"
         rows.append(
-            f"{number:>4} {layout.tp:>3} {layout.pp:>3} {layout.dp:>4} "
+            f"{number:>4} {layout.tp:>3} {'y' if layout.sequence_parallel else '-':>2} "
+            f"{layout.pp:>3} {layout.dp:>4} "
             f"{layout.micro_batch_size:>3} {layout.zero_stage:>4} {layout.recompute:<9} "
             f"{layout.virtual:>2} {layout.partition_method:<26} {_cell(row['memory_gb'], 1):>6} "
             f"{_cell(row['iteration_s'], 4, 'g'):>8} {_cell(row['tflops_per_gpu'], 1):>7} "
@@ -75,15 +92,16 @@ def _kind(reason: str) -> str:
     return re.sub(r"\d+(?:, (?:\d+|\.\.\.))*", "N", head)
 
 
-def summary(plans: list[Plan], cluster: Cluster, model: ModelConfig) -> str:
-    """One line on the model and cluster, one on how the layouts fared, and the reasons
-    validation gave most often."""
+def summary(plans: list[Plan], cluster: Cluster, model: ModelConfig, headroom: float) -> str:
+    """One line on the model and cluster (and the memory a layout may use, ``headroom``
+    kept free), one on how the layouts fared, and the reasons validation gave most often."""
     refused = Counter(_kind(plan.reason) for plan in plans if plan.memory is None)
     out_of_memory = sum(1 for plan in plans if plan.memory is not None and not plan.feasible)
     feasible = sum(1 for plan in plans if plan.feasible)
     lines = [f"model: {model_parameters(model):,} parameters; cluster: {cluster.nodes} nodes x "
              f"{cluster.gpus_per_node} GPUs of {cluster.gpu_memory_gb:g} GiB, "
-             f"{cluster.gpu_peak_tflops:g} TFLOP/s peak",
+             f"{cluster.gpu_peak_tflops:g} TFLOP/s peak; a layout may use "
+             f"{cluster.gpu_memory_gb * (1 - headroom):.1f} GiB ({headroom:.0%} headroom)",
              f"{len(plans)} layouts: {feasible} feasible, {out_of_memory} out of memory, "
              f"{sum(refused.values())} refused by validation"
              + ("" if feasible else " -- no layout fits")]

@@ -3,9 +3,11 @@ the memory and time models, and rank them.
 
 A layout is feasible when ``validation.validate`` accepts it (the very checks
 ``pretrain_gpt.py`` runs: the rank grid, divisibility, the whole batch rampup, the
-interleaved schedule, the partitioner on the real layer list, ...) and its fullest pipeline
-rank fits in a GPU. Infeasible layouts keep the reason: validation's one-line message, or
-which rank runs out of memory and by how much. Feasible layouts come first, fastest first.
+interleaved schedule, the partitioner on the real layer list, ...) and the peak of its
+fullest pipeline rank, over build, training, evaluation and save, leaves
+``--memory-headroom`` of a GPU free (``accounting/fit.py``: the start-up check's own test).
+Infeasible layouts keep the reason: validation's one-line message, or which rank runs out of
+memory, in which phase and by how much. Feasible layouts come first, fastest first.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from megatron3d.accounting.fit import fullest, layout_memory, shortfall
 from megatron3d.accounting.memory import Buffers, planned_buffers
+from megatron3d.accounting.peak import RankMemory
+from megatron3d.accounting.placement import Placement, placement
 from megatron3d.config import TrainConfig
 from megatron3d.errors import ConfigError
-from megatron3d.optim.batch_schedule import BatchSchedule
-from megatron3d.planner.hardware import GIB, Cluster
-from megatron3d.planner.layout import RECOMPUTE, Layout, Placement, placement
-from megatron3d.planner.memory import RankMemory, rank_memory
+from megatron3d.model.gpt import layer_table
+from megatron3d.planner.hardware import Cluster
+from megatron3d.planner.layout import RECOMPUTE, Layout
 from megatron3d.planner.timing import StepTime, step_time
-from megatron3d.validation import layer_table, validate
+from megatron3d.validation import validate
 
 PARTITION_METHODS = ("parameters", "uniform", "type:transformer|embedding")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -40,6 +44,7 @@ class Fixed:
     recompute: str | None = None
     partition_method: str | None = None
     virtual: int | None = None
+    sequence_parallel: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,9 @@ def candidates(world_size: int, num_layers: int, gpus_per_node: int,
                fixed: Fixed) -> list[Layout]:
     """Every layout to judge: TP up to a node (and dividing the world), PP dividing what is
     left up to ``num_layers`` (the length of the layer list, embeddings and norms included),
-    micro-batches 1..8, each ZeRO stage (only 0 without data parallelism), recompute,
-    partition method and 2 or 4 model chunks per rank with pipelining; ``fixed`` dimensions
-    are not enumerated."""
+    micro-batches 1..8, each ZeRO stage (only 0 without data parallelism), recompute (none,
+    selective, full), partition method, 2 or 4 model chunks per rank with pipelining, and
+    sequence parallelism with TP; ``fixed`` dimensions are not enumerated."""
     layouts = []
     for tp in _choices(fixed.tp, [t for t in _divisors(world_size) if t <= gpus_per_node]):
         for pp in _choices(fixed.pp, [p for p in _divisors(world_size // tp)
@@ -77,13 +82,15 @@ def candidates(world_size: int, num_layers: int, gpus_per_node: int,
             dp = world_size // (tp * pp)
             zero_stages = (0, 1, 3) if dp > 1 else (0,)
             virtuals = VIRTUAL_SIZES if pp > 1 else (1,)
-            layouts += [Layout(tp, pp, dp, mbs, zero, recompute, method, v)
-                        for mbs, zero, recompute, method, v in itertools.product(
+            sequence = (False, True) if tp > 1 else (False,)
+            layouts += [Layout(tp, pp, dp, mbs, zero, recompute, method, v, sp)
+                        for mbs, zero, recompute, method, v, sp in itertools.product(
                             _choices(fixed.micro_batch_size, MICRO_BATCH_SIZES),
                             _choices(fixed.zero_stage, zero_stages),
                             _choices(fixed.recompute, RECOMPUTE),
                             _choices(fixed.partition_method, PARTITION_METHODS),
-                            _choices(fixed.virtual, virtuals))]
+                            _choices(fixed.virtual, virtuals),
+                            _choices(fixed.sequence_parallel, sequence))]
     return layouts
 
 
@@ -111,43 +118,33 @@ class Planner:
             key=Plan.sort_key)
 
     def judge(self, layout: Layout) -> Plan:
-        """``layout`` judged: validation first (its message is the reason), then the memory
-        of every pipeline rank against a GPU's, and the step time."""
+        """``layout`` judged: validation first (its message is the reason), then the peak
+        memory of every pipeline rank against a GPU's less the headroom, and the step
+        time."""
         cfg = layout.apply(self.cfg)
         try:
             validate(cfg, self.cluster.world_size)
         except ConfigError as err:
             return Plan(layout, str(err))
-        where = placement(cfg)
-        padded_vocab = cfg.model.padded_vocab_size(layout.tp)
-        schedule = BatchSchedule.from_config(cfg.training, layout.dp)
-        micro_batches = schedule.global_batch_size // schedule.samples_per_micro_batch_step
-        ranks = [rank_memory(cfg, self._rank_buffers(cfg, layout, where, r), layout.dp, r,
-                             micro_batches, where.chunk_names(r), padded_vocab,
-                             self.device_type) for r in range(layout.pp)]
-        fullest = max(range(layout.pp), key=lambda r: ranks[r].total)
-        time = step_time(cfg, layout, where, self.cluster, padded_vocab)
-        memory = ranks[fullest]
-        reason = ""
-        if memory.total > self.cluster.capacity_bytes:
-            reason = (f"out of memory: pipeline rank {fullest} needs {memory.total / GIB:.1f} "
-                      f"of {self.cluster.gpu_memory_gb:g} GiB (states "
-                      f"{memory.states.total / GIB:.1f}, activations "
-                      f"{memory.activations / GIB:.1f}, transients {memory.working / GIB:.1f})")
-        return Plan(layout, reason, memory, fullest, time)
+        ranks = layout_memory(cfg, self.cluster.world_size, self.device_type,
+                              self._rank_buffers)
+        time = step_time(cfg, layout, placement(cfg), self.cluster,
+                         cfg.model.padded_vocab_size(layout.tp))
+        reason = shortfall(ranks, self.cluster.capacity_bytes, cfg.parallel.memory_headroom)
+        r = fullest(ranks)
+        return Plan(layout, reason, ranks[r], r, time)
 
-    def _rank_buffers(self, cfg: TrainConfig, layout: Layout, where: Placement,
-                      rank: int) -> Buffers:
+    def _rank_buffers(self, cfg: TrainConfig, dp: int, where: Placement, rank: int) -> Buffers:
         """``planned_buffers`` of a rank, shared by ranks and layouts holding the same kinds
-        of layers under the same parameter layout."""
+        of layers under the same parameter layout (which neither recompute nor sequence
+        parallelism changes, nor the DP size without ZeRO)."""
         model = dataclasses.replace(cfg.model, checkpoint_activations=False,
                                     recompute_granularity=None)
         parallel = cfg.parallel
-        key = (model, cfg.precision.params_dtype_name, layout.tp, layout.dp,
+        tp = parallel.tensor_model_parallel_size
+        key = (model, cfg.precision.params_dtype_name, tp, dp if parallel.zero_stage else 1,
                parallel.zero_stage, parallel.reduce_bucket_size, parallel.live_units,
-               parallel.reshard_after_forward, parallel.sequence_parallel,
-               tuple(where.chunk_names(rank)))
+               parallel.reshard_after_forward, tuple(where.chunk_names(rank)))
         if key not in self._buffers:
-            self._buffers[key] = planned_buffers(cfg, layout.tp, layout.dp,
-                                                 list(where.spans[rank]))
+            self._buffers[key] = planned_buffers(cfg, tp, dp, list(where.spans[rank]))
         return self._buffers[key]

@@ -40,11 +40,12 @@ from megatron3d.accounting.flops import (
     flops_per_iteration,
     layer_forward_flops_per_token,
 )
+from megatron3d.accounting.placement import Placement
 from megatron3d.config import TrainConfig
+from megatron3d.model.gpt import layer_table
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.planner.hardware import Cluster
-from megatron3d.planner.layout import Layout, Placement
-from megatron3d.validation import layer_table
+from megatron3d.planner.layout import Layout
 
 FP32 = 4
 

@@ -1,7 +1,7 @@
 """Rank the layouts of a model on a cluster before spending GPU hours on it.
 
-Which TP, PP, DP, micro-batch size, ZeRO stage, recompute, partition method and model
-chunks per rank to use, for example:
+Which TP, PP, DP, micro-batch size, ZeRO stage, recompute, partition method, model chunks
+per rank and sequence parallelism to use, for example:
 
     python tools/plan_topology.py --nodes 48 --gpus-per-node 8 --inter-node-gbps 400 \
         --num-layers 70 --hidden-size 14336 --num-attention-heads 112 --seq-length 2048 \
@@ -10,12 +10,15 @@ chunks per rank to use, for example:
 
 Takes pretrain_gpt.py's flags (the model, batch sizes and rampup, precision, ...) plus the
 cluster's. Every layout is judged by pretrain_gpt.py's own validation, then by the memory
-model of every pipeline rank and the time model (``megatron3d/planner``); the table ranks
-feasible layouts by estimated iteration time and gives each infeasible one its reason.
-A dimension given as a flag is fixed instead of enumerated: ``--tp``/``--pp`` (or their long
-spellings), ``--micro-batch-size``, ``--zero-stage``, ``--recompute-granularity`` or
+model of every pipeline rank (the start-up check's, ``megatron3d/accounting/fit.py``: a
+layout whose peak leaves less than ``--memory-headroom`` of a GPU free is not feasible) and
+the time model (``megatron3d/planner``); the table ranks feasible layouts by estimated
+iteration time and gives each infeasible one its reason. A dimension given as a flag is
+fixed instead of enumerated: ``--tp``/``--pp`` (or their long spellings),
+``--micro-batch-size``, ``--zero-stage``, ``--recompute-granularity`` or
 ``--checkpoint-activations``, ``--pp-partition-method``,
-``--virtual-pipeline-model-parallel-size``. Flags that change no layout may be left out:
+``--virtual-pipeline-model-parallel-size``, ``--sequence-parallel``. Flags that change no
+layout may be left out:
 without a data source the plan assumes ``--mock-data``, without ``--lr`` a learning rate of 1,
 without a run length ``--train-iters 1`` (they only let validation run).
 """
@@ -109,7 +112,8 @@ def _fixed(args: argparse.Namespace, cfg: TrainConfig, given: set[str]) -> Fixed
         partition_method=parallel.pp_partition_method if "pp_partition_method" in given
         else None,
         virtual=parallel.virtual_size(model.num_layers)
-        if "virtual_pipeline_model_parallel_size" in given else None)
+        if "virtual_pipeline_model_parallel_size" in given else None,
+        sequence_parallel=parallel.sequence_parallel if "sequence_parallel" in given else None)
 
 
 def _complete(cfg: TrainConfig) -> TrainConfig:
@@ -149,7 +153,8 @@ def _run(argv: Sequence[str] | None) -> int:
         sys.stdout.write(json.dumps([to_json(plan) for plan in plans], indent=1) + "\n")
         return 0
     lines = [f"notice: {notice}" for notice in notices]
-    lines += [summary(plans, cluster, cfg.model), table(plans, args.top)]
+    lines += [summary(plans, cluster, cfg.model, cfg.parallel.memory_headroom),
+              table(plans, args.top)]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

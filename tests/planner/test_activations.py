@@ -1,7 +1,7 @@
 """The planner's activation part: per micro-batch, what each pipeline chunk keeps for
 backward (embedding, norms, blocks, head and loss) against the saved bytes of a real CPU
-forward within 10%; and how many micro-batches a rank holds, read from its real program,
-against the pipeline simulator and for long programs."""
+forward within 10%, grouped-query attention included; and how many micro-batches a rank
+holds, read from its real program, against the pipeline simulator and for long programs."""
 
 from __future__ import annotations
 
@@ -10,18 +10,21 @@ import functools
 import pytest
 import torch
 
-from megatron3d.accounting.activations import saved_bytes
+from megatron3d.accounting.activations import (
+    layer_activation_bytes,
+    measured_layer_bytes,
+    saved_bytes,
+)
+from megatron3d.accounting.in_flight import Activations, in_flight_states, peak_in_flight
 from megatron3d.config import ModelConfig
 from megatron3d.model.context import LayerContext
-from megatron3d.model.gpt import gpt_layer_specs, lm_loss
+from megatron3d.model.gpt import gpt_layer_specs, lm_loss, stage_bounds
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.instructions import Backward, Forward
 from megatron3d.pipeline.interleaved import interleaved_1f1b
 from megatron3d.pipeline.schedule import schedule_for
 from megatron3d.pipeline.simulate import simulate
-from megatron3d.planner.memory import Activations, in_flight_states
-from megatron3d.validation import stage_bounds
 from tests.helpers.tiny import FLAVOURS
 
 ACTIVATION_RTOL = 0.10  # the issue's bound: the model within 10% of the measured bytes
@@ -30,8 +33,6 @@ BF16, CPU, MICRO_BATCH = torch.bfloat16, torch.device("cpu"), 2
 # with it), so no s x s tensor is kept; hidden dropout on, so its masks are.
 SHAPE = {"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
          "vocab_size": 203, "hidden_dropout": 0.1, "attention_dropout": 0.0}
-MODELS = {**FLAVOURS, "llama-gqa": {**FLAVOURS["llama"], "group_query_attention": True,
-                                    "num_query_groups": 2}}
 
 
 def _measured_chunks(cfg: ModelConfig, bounds: tuple[int, ...]) -> list[int]:
@@ -60,10 +61,15 @@ def _measured_chunks(cfg: ModelConfig, bounds: tuple[int, ...]) -> list[int]:
     return sizes
 
 
+GQA = {"group_query_attention": True, "num_query_groups": 2}  # 2 query heads per group
+MODELS = {**FLAVOURS, "gpt2 gqa": {**FLAVOURS["gpt2"], **GQA},
+          "llama gqa": {**FLAVOURS["llama"], **GQA}}
+
+
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
-@pytest.mark.parametrize("model", list(MODELS))
-def test_chunk_activations_match_saved_bytes(model, recompute):
-    cfg = ModelConfig(**{**SHAPE, **MODELS[model], "recompute_granularity": recompute})
+@pytest.mark.parametrize("flavour", list(MODELS))
+def test_chunk_activations_match_saved_bytes(flavour, recompute):
+    cfg = ModelConfig(**{**SHAPE, **MODELS[flavour], "recompute_granularity": recompute})
     bounds = stage_bounds(cfg, 3, "uniform", 1)  # embedding+, blocks, +head and loss
     model = Activations(cfg, MICRO_BATCH, 1, False, BF16, device_type="cpu")
     names = [spec.type_name for spec in gpt_layer_specs(LayerContext(
@@ -72,6 +78,28 @@ def test_chunk_activations_match_saved_bytes(model, recompute):
     for (start, end), real in zip(zip(bounds, bounds[1:], strict=False), measured, strict=True):
         ours = model.chunk(names[start:end], cfg.padded_vocab_size(1))
         assert abs(ours - real) <= ACTIVATION_RTOL * real, (names[start:end], ours, real)
+
+
+@pytest.mark.parametrize("recompute", [None, "selective"])
+@pytest.mark.parametrize("groups", [1, 2, 8])
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_grouped_query_attention_layers_are_counted_to_the_byte(flavour, groups, recompute):
+    """8 query heads in 1, 2 or 8 groups (8: multi-head): the fused QKV output, the copy of q
+    across several groups, rotated q and k, k and v expanded to every head."""
+    gqa = {"group_query_attention": True, "num_query_groups": groups} if groups < 8 else {}
+    cfg = ModelConfig(**{**SHAPE, "num_layers": 1, "num_attention_heads": 8, **gqa,
+                         **FLAVOURS[flavour], "recompute_granularity": recompute})
+    ours = sum(layer_activation_bytes(cfg, MICRO_BATCH, 1, False, BF16, "cpu").values())
+    assert ours == measured_layer_bytes(cfg, MICRO_BATCH, AxisGroup.single(), False)[0]
+
+
+def test_the_peak_in_flight_weighs_each_chunk_by_its_micro_batches():
+    """Rank 0 of 1F1B over 4 stages holds 4 micro-batches of its one chunk; interleaved
+    with 2 chunks it holds more of the first chunk than of the second at its peak."""
+    assert peak_in_flight([7], in_flight_states("1f1b", 4, 0, 16, 1)) == 4 * 7
+    states = in_flight_states("1f1b", 4, 0, 16, 2)
+    assert peak_in_flight([1000, 1], states) == max(1000 * a + b for a, b in states)
+    assert peak_in_flight([1000, 1], states) > peak_in_flight([1, 1000], states)
 
 
 def _walk(schedule: str, p: int, r: int, m: int, v: int) -> set[tuple[int, ...]]:

@@ -35,9 +35,8 @@ def _model_flags(rng: random.Random, unit: int) -> list[str]:
     if rng.random() < 0.2:
         start = rng.choice((unit, 2, 3))
         flags += ["--rampup-batch-size", str(start), str(max(1, gbs - start)), "512"]
-    for flag, chance in (("--sequence-parallel", 0.2), ("--bf16", 0.5)):
-        if rng.random() < chance:
-            flags.append(flag)
+    if rng.random() < 0.5:
+        flags.append("--bf16")
     if rng.random() < 0.2:
         flags += ["--group-query-attention", "--num-query-groups", str(rng.choice((1, 2)))]
     return flags
@@ -49,7 +48,8 @@ def _sample(rng: random.Random) -> tuple[list[str], int, Layout]:
     world = tp * pp * dp if rng.random() < 0.85 else rng.choice((1, 3, 5, 8))
     mbs = rng.choice((1, 2, 3))
     layout = Layout(tp, pp, max(1, world // (tp * pp)), mbs, rng.choice((0, 1, 3)),
-                    rng.choice(RECOMPUTE), rng.choice(METHODS), rng.choice((1, 1, 1, 2, 3)))
+                    rng.choice(RECOMPUTE), rng.choice(METHODS), rng.choice((1, 1, 1, 2, 3)),
+                    rng.random() < 0.2)
     return _model_flags(rng, mbs * layout.dp), world, layout
 
 
@@ -88,7 +88,7 @@ REASONS = [  # (extra flags, GPUs, layout, the reason)
      "--num-query-groups 1 is not divisible by the tensor-parallel size"),
     (["--ffn-hidden-size", "99"], 2, L(2, 1, 1, 2, 0, "none", "parameters"),
      "--ffn-hidden-size 99 is not divisible by the tensor-parallel size"),
-    (["--sequence-parallel", "--seq-length", "18"], 4, L(4, 1, 1, 2, 0, "none", "parameters"),
+    (["--seq-length", "18"], 4, L(4, 1, 1, 2, 0, "none", "parameters", sequence_parallel=True),
      "--seq-length 18 is not divisible by the tensor-parallel size"),
     ([], 3, L(2, 1, 1, 2, 0, "none", "parameters"), "world size 3 is not divisible by tp*pp"),
     ([], 4, L(1, 1, 4, 4, 1, "none", "parameters"),
@@ -115,13 +115,29 @@ def test_every_reason_a_layout_fails_for(extra, gpus, layout, reason):
     assert plan.memory is None and plan.time is None
 
 
-def test_out_of_memory_names_the_fullest_rank_and_its_parts():
-    planner = Planner(parse_args(TINY), Cluster(1, 2, gpu_memory_gb=0.5))
-    plan = planner.judge(L(1, 2, 1, 2, 0, "none", "parameters"))
-    assert not plan.feasible
-    assert plan.reason.startswith(f"out of memory: pipeline rank {plan.fullest_rank} needs ")
-    assert "of 0.5 GiB (states " in plan.reason and plan.memory.total > 0.5 * 2**30
+def test_out_of_memory_names_the_fullest_rank_its_phase_and_its_parts():
+    layout = L(1, 2, 1, 2, 0, "none", "parameters")
+    plan = Planner(parse_args(TINY), Cluster(1, 2, gpu_memory_gb=0.5)).judge(layout)
+    assert not plan.feasible and plan.memory.total > 0.5 * 2**30  # CUDA's context: 1.5 GiB
+    assert plan.reason.startswith(
+        f"out of memory: pipeline rank {plan.fullest_rank} needs "
+        f"{plan.memory.total / 2**30:.1f} GiB ({plan.memory.peak.phase}) of 0.4 GiB usable "
+        "(0.5 GiB less 10% headroom) -- parameters 0.0, gradients 0.0, ")
+    assert plan.reason.endswith(f"allocator, CUDA and NCCL "
+                                f"{(plan.memory.total - plan.memory.peak.allocated) / 2**30:.1f}")
     assert plan.time is not None  # still timed, ranked after the feasible ones
+
+
+def test_the_headroom_decides_feasibility():
+    """A layout is feasible up to (1 - headroom) x the GPU's memory, and no further."""
+    layout = L(1, 2, 1, 2, 0, "none", "parameters")
+    need = Planner(parse_args(TINY), Cluster(1, 2)).judge(layout).memory.total / 2**30
+    for headroom, fits in ((0.0, True), (0.1, False)):
+        cfg = parse_args([*TINY, "--memory-headroom", str(headroom)])
+        assert Planner(cfg, Cluster(1, 2, gpu_memory_gb=need * 1.0001)).judge(
+            layout).feasible == fits
+    cfg = parse_args([*TINY, "--memory-headroom", "0.1"])
+    assert Planner(cfg, Cluster(1, 2, gpu_memory_gb=need / 0.9 * 1.0001)).judge(layout).feasible
 
 
 def test_fixed_dimensions_are_not_enumerated():

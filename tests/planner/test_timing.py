@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 
 from megatron3d.accounting.flops import flops_per_iteration
+from megatron3d.accounting.placement import placement
 from megatron3d.cli.arguments import parse_args
 from megatron3d.pipeline.interleaved import interleaved_1f1b
 from megatron3d.pipeline.schedule import schedule_for
 from megatron3d.pipeline.simulate import simulate
 from megatron3d.planner.hardware import NETWORK_EFFICIENCY, NVLINK_EFFICIENCY, Cluster
-from megatron3d.planner.layout import Layout, placement
+from megatron3d.planner.layout import Layout
 from megatron3d.planner.timing import pipeline_seconds, step_time
 from tests.helpers.tiny import train_argv
 
