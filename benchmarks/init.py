@@ -12,9 +12,10 @@ build the trainer ``pretrain_gpt.py`` builds for a vocabulary-heavy model (defau
   belongs to the checkpoint reader, not to initialisation.
 
 Per rank, the slowest shown:
-- model s / model cpu s: wall and CPU time of building the model (``build_engine``: drawing,
-  or allocating zeros under --load). TP ranks share the machine's cores, so at TP > cores
-  wall time inflates and CPU time is the fair per-rank measure.
+- model s / model cpu s: wall and CPU time of making the model's storage (the layers are
+  built on the meta device; ``build_data_parallel`` allocates the ZeRO buffers and draws the
+  weights into them, or under --load only allocates them). TP ranks share the machine's
+  cores, so at TP > cores wall time inflates and CPU time is the fair per-rank measure.
 - model peak: the peak resident set size (RSS) above the RSS when ``build_trainer`` starts,
   up to the end of building the model.
 - peak: the same up to the first step (draw) or up to the start of the checkpoint load
@@ -130,15 +131,15 @@ def _measure(a: argparse.Namespace, tp: int, mode: str, directory: str) -> tuple
     cfg = parse_args(_argv(a, tp, directory, mode))
     validate(cfg, state.world_size)
     peak, timed = Peak(), {}
-    original_engine, original_load = build.build_engine, loading.load
-    build.build_engine = _timed(original_engine, timed, "model", peak)
+    original_engine, original_load = build.build_data_parallel, loading.load
+    build.build_data_parallel = _timed(original_engine, timed, "model", peak)
     loading.load = _timed(original_load, timed, "load", peak)
     try:
         peak.start()
         trainer = build.build_trainer(cfg, state, torch.device("cpu"))
         whole = peak.growth()
     finally:
-        build.build_engine, loading.load = original_engine, original_load
+        build.build_data_parallel, loading.load = original_engine, original_load
     if mode == "load" and "load" not in timed:
         raise RuntimeError(f"build_trainer did not load a checkpoint from {directory}")
     if mode == "draw" and tp == 1:

@@ -63,21 +63,13 @@ class Buffers:
 
     flat: the padded flat layout of the rank's parameters; shard: the elements it updates
     (its slices under ZeRO-1/3, padding included; ``flat`` without ZeRO); updated: the real
-    parameter elements among them; slots: ZeRO-3's slot elements (0 otherwise); params: the
-    stage's parameters as built, before ZeRO binds them (``flat`` when unknown); unit: the
-    largest bucket (ZeRO-3 flattens one unit at a time while it shards them).
+    parameter elements among them; slots: ZeRO-3's slot elements (0 otherwise).
     """
 
     flat: int
     shard: int
     updated: int
     slots: int = 0
-    params: int | None = None
-    unit: int = 0
-
-    @property
-    def built(self) -> int:
-        return self.flat if self.params is None else self.params
 
 
 def state_bytes(buffers: Buffers, param_bytes: int, zero_stage: int, dp: int,
@@ -135,10 +127,8 @@ def planned_buffers(cfg: TrainConfig, tp: int, dp: int,
         lambda _param: True, meta, tuple(len(chunk.layers) for chunk in chunks))
     shard = data_parallel.shard
     updated = sum(end - start for _, start, end, _ in shard.segment_parts())
-    params = sum(p.numel() for p in stage.parameters())
     return Buffers(flat=shard.layout.numel, shard=shard.numel, updated=updated,
-                   slots=live_numel(data_parallel), params=params,
-                   unit=max(bucket.numel for bucket in shard.layout.buckets))
+                   slots=live_numel(data_parallel))
 
 
 def _axis(size: int) -> AxisGroup:

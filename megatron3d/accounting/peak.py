@@ -7,10 +7,9 @@ Each phase is a list of named parts, the tensors alive at its worst moment, plus
 device holds besides tensors (``overheads.py``: CUDA context, NCCL communicators, and the
 caching allocator's reserve on top of the tensors):
 
-- build: the stage's parameters as built (model dtype) while ZeRO copies them into its
-  buffers (ZeRO-0/1: the flat parameter and fp32 gradient buffers; ZeRO-3: its shards, its
-  slots and one unit flattened at a time), or once they are bound, every state but Adam's
-  moments (allocated at the first step), whichever is larger;
+- build: every state but Adam's moments (allocated at the first step): the stage is built
+  on the meta device and each rank draws straight into its ZeRO buffers (``mpu/init.py``),
+  so nothing else of it ever exists;
 - train: every state (``memory.state_bytes``), the micro-batches in flight at most
   (``in_flight.py``) and the largest working set of a backward (``transients.py``: a
   layer's, the input embedding's weight gradient, or the LM head's logits and weight
@@ -133,14 +132,9 @@ def rank_memory(cfg: TrainConfig, buffers: Buffers, dp: int, rank: int, micro_ba
     per_chunk = [sizes.chunk(chunk, padded_vocab) for chunk in chunk_names]
     in_flight = peak_in_flight(per_chunk, in_flight_states(
         parallel.pipeline_schedule, pp, rank, micro_batches, len(chunk_names)))
-    if zero == 3:  # shards and slots exist, the master copy not yet
-        binding = states.params + states.grads + e * buffers.unit
-    else:
-        binding = (e + FP32) * buffers.flat
-    building = {"parameters as built": e * buffers.built, "ZeRO buffers": binding, **held}
-    bound = {"states before the first step": states.total - moment_bytes(buffers), **kept}
     parts = {
-        "build": max(building, bound, key=lambda p: sum(p.values())),
+        "build": {"states before the first step": states.total - moment_bytes(buffers),
+                  **kept},
         "train": {**steady, "activations in flight": in_flight,
                   "backward working set": transients.backward_working_set(
                       sizes, names, padded_vocab), **messages},
