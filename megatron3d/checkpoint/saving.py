@@ -93,7 +93,8 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, optimizer: MixedPrec
         background.wait()  # at most one save in flight: the snapshot is free again
     if _published(path, progress.iteration, series, state, optimizer.shard.grads.device):
         return
-    _check_finite(snapshot.capture(optimizer.live_state), state, progress.iteration, path)
+    _check_finite(optimizer.state_not_finite(), state, progress.iteration, path)
+    snapshot.capture(optimizer.live_state)
     if state.world_rank == 0:
         with io.writing(path):
             io.clear_for_save(path, progress.iteration)

@@ -5,9 +5,9 @@ its ZeRO slice, TP rank 0's replicated tensors, the first stage's tied copy; wit
 data-parallel rank 0 only). They are copied straight from the optimizer's live tensors into
 one host buffer (pinned on GPUs, so each copy is a DMA the host need not wait for), allocated
 once at the first save and reused, whose slices are the data of the rank's chunks: a rank
-file then holds the buffer as one storage. On the device a save allocates only the
-non-finite check of one piece at a time (``PIECE`` elements, a bool each): no copy of the
-optimizer state exists there, so a run that fits its steps fits its saves.
+file then holds the buffer as one storage. No copy of the optimizer state is made on the
+device (its finiteness check, ``MixedPrecisionOptimizer.state_not_finite``, reads it a piece
+at a time), so a run that fits its steps fits its saves.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from megatron3d.checkpoint.chunks import KINDS, new_chunk, owned_parts
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import ParallelState
 from megatron3d.zero.shard import Shard
-
-PIECE = 16 * 2**20  # elements checked for NaN/Inf at once: a 16 MiB bool temporary at most
 
 LiveState = Callable[[int, int], dict[str, torch.Tensor | None]]
 """(local offset, length) -> each kind's live fp32 values there (None: all zero)."""
@@ -54,21 +52,15 @@ class HostSnapshot:
     def nbytes(self) -> int:
         return self._buffer.nbytes
 
-    def capture(self, live: LiveState) -> torch.Tensor:
-        """Copy the owned parts of the live state in (one device sync at the end); returns
-        1.0 on the device if any copied value is NaN or Inf, else 0.0."""
-        bad = torch.zeros((), device=self.device)
+    def capture(self, live: LiveState) -> None:
+        """Copy the owned parts of the live state in; returns once the copies are done (a
+        device sync, at save time)."""
         for local, at, n in self._spans:
-            for lo in range(0, n, PIECE):
-                m = min(PIECE, n - lo)
-                values = live(local + lo, m)
-                for k, kind in enumerate(KINDS):
-                    target, source = self._buffer[k, at + lo:at + lo + m], values[kind]
-                    if source is None:
-                        target.zero_()
-                        continue
+            values = live(local, n)
+            for k, kind in enumerate(KINDS):
+                target, source = self._buffer[k, at:at + n], values[kind]
+                if source is None:
+                    target.zero_()
+                else:
                     target.copy_(source, non_blocking=True)
-                    finite = torch.isfinite(source).all()
-                    bad = torch.maximum(bad, (~finite).float())
         devices.synchronize(self.device)
-        return bad

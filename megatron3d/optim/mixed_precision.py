@@ -37,6 +37,8 @@ from megatron3d.optim.grad_clip import clip_, grad_stats
 from megatron3d.optim.loss_scaler import LossScaler
 from megatron3d.optim.optimizer import ShardView, param_groups
 
+CHECK_PIECE = 16 * 2**20  # elements checked for NaN/Inf at once: a 16 MiB bool temporary
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -128,6 +130,19 @@ class MixedPrecisionOptimizer:
         return {"weight": param.detach().view(-1)[at:at + n],
                 **{k: state[k].view(-1)[at:at + n] if k in state else None
                    for k in ("exp_avg", "exp_avg_sq")}}
+
+    def state_not_finite(self) -> torch.Tensor:
+        """1.0 on the device if any fp32 weight or Adam moment this rank holds is NaN or
+        Inf, else 0.0 (a save refuses such a state, whichever rank writes it). Checked
+        ``CHECK_PIECE`` elements at a time, so its temporary stays at most 16 MiB."""
+        bad = torch.zeros((), device=self.shard.grads.device)
+        for param in self._by_offset:
+            state = self.inner.state.get(param, {})
+            for t in (param.detach(), *(state[k] for k in ("exp_avg", "exp_avg_sq")
+                                        if k in state)):
+                for piece in t.view(-1).split(CHECK_PIECE):
+                    bad = torch.maximum(bad, (~torch.isfinite(piece).all()).float())
+        return bad
 
     def adam_step(self) -> float:
         """Adam's step: from the per-parameter state if present (torch), else from the param
