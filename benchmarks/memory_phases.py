@@ -25,7 +25,12 @@ itself holds at the worst moment of the phase. How it is read:
   in its arenas stay counted, and so do a phase's host buffers (on a GPU machine the save's
   snapshot is pinned host memory, outside the device figure).
 
-Next to each, the prediction the start-up report and ``check_fits`` make for that phase.
+Next to each, the prediction the start-up report and ``check_fits`` make for that phase
+(``accounting/peak.py``; both steps against its training step, the load against nothing: it
+is not modelled), for the fullest pipeline rank, as tensors plus, on a GPU, the allocator's
+reserve, CUDA context and NCCL communicators. On the CPU the prediction's save carries 64 MiB
+of device staging and the measured save the rank's host snapshot too (12 bytes per element
+it writes, host memory on a GPU machine).
 
     python -m benchmarks.memory_phases
     python -m benchmarks.memory_phases --layers 8 --hidden 768 --layouts 1,1,4,3
@@ -45,6 +50,7 @@ import torch
 
 from benchmarks.common import add_model_args, spawn
 from megatron3d import device as devices
+from megatron3d.accounting.fit import layout_memory
 from megatron3d.checkpoint.progress import Progress
 from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.state import ParallelState
@@ -185,11 +191,26 @@ def _layouts(text: list[str] | None) -> list[Layout]:
     return [Layout(*(int(x) for x in (row.split(",") + ["1"])[:5])) for row in text]
 
 
-def _table(layout: Layout, ranks: list[dict[str, int]]) -> list[str]:
-    lines = [f"{layout} (the fullest rank per phase, MiB above the start of the build):"]
+MODELLED = {"build": "build", "first step": "train", "steady step": "train",
+            "evaluation": "evaluate", "save": "save"}
+
+
+def predicted(argv: list[str], world: int, steps: int, device_type: str) -> dict[str, int]:
+    """The fullest pipeline rank's predicted peak of each modelled phase, in bytes."""
+    cfg = parse_args([*argv, "--train-iters", str(steps)])
+    validate(cfg, world)
+    ranks = layout_memory(cfg, world, device_type)
+    return {phase: max(r.phase(MODELLED[phase]).total for r in ranks) for phase in MODELLED}
+
+
+def _table(layout: Layout, ranks: list[dict[str, int]], model: dict[str, int]) -> list[str]:
+    lines = [f"{layout} (the fullest rank per phase, MiB above the start of the build):",
+             f"  {'phase':<12} {'measured':>9} {'predicted':>9} {'ratio':>6}"]
     for phase in PHASES:
         worst = max(r[phase] for r in ranks)
-        lines.append(f"  {phase:<12} {worst / MIB:>9.1f}")
+        guess = model.get(phase)
+        cells = ("-", "-") if guess is None else (f"{guess / MIB:.1f}", f"{worst / guess:.2f}")
+        lines.append(f"  {phase:<12} {worst / MIB:>9.1f} {cells[0]:>9} {cells[1]:>6}")
     return lines
 
 
@@ -220,7 +241,8 @@ def main() -> None:
                 out.write(f"machine (each rank): {replies[0][0]}\n")
             ranks = [{**peaks, "load": load} for (_, peaks), load in zip(replies, loads,
                                                                          strict=True)]
-            out.write("\n".join(_table(layout, ranks)) + "\n")
+            model = predicted(argv, layout.world, a.steps, devices.device().type)
+            out.write("\n".join(_table(layout, ranks, model)) + "\n")
             out.flush()
     out.write(f"wall time: {time.perf_counter() - start:.1f} s\n")
 

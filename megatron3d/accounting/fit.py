@@ -50,6 +50,15 @@ def layout_memory(cfg: TrainConfig, world_size: int, device_type: str = "cuda",
             for r in range(parallel.pipeline_model_parallel_size)]
 
 
+def format_phases(rank: RankMemory, pp_rank: int) -> str:
+    """The start-up line of a rank's predicted peak per phase (``peak.py``), in GiB."""
+    phases = " | ".join(f"{p.phase} {p.total / GIB:.3f}" + ("" if p.phase in rank.runs
+                                                             else " (not run)")
+                        for p in rank.phases)
+    return (f"memory predicted for pipeline rank {pp_rank} (GiB, tensors + allocator, CUDA "
+            f"and NCCL): {phases} | peak {rank.peak.phase}")
+
+
 def usable_bytes(capacity: int, headroom: float) -> int:
     """What a layout may use of ``capacity`` bytes: all but the ``headroom`` share."""
     return int(capacity * (1 - headroom))

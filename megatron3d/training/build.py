@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatron3d.accounting import memory
+from megatron3d.accounting.fit import format_phases, layout_memory
 from megatron3d.accounting.model_size import ModelSize, format_padded_vocab, model_size
 from megatron3d.checkpoint import loading
 from megatron3d.checkpoint import saving as checkpoint
@@ -196,6 +197,8 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataP
         f"memory (ZeRO-{stage}, DP={state.dp.size}):",
         memory.analytic(sum(p.numel() for p in params), params[0].element_size(), stage,
                         state.dp.size, memory.live_numel(data_parallel))))
+    predicted = layout_memory(cfg, state.world_size, data_parallel.shard.grads.device.type)
+    every_rank_logger().info(format_phases(predicted[state.pp.rank], state.pp.rank))
     return optimizer
 
 
