@@ -8,6 +8,9 @@ import torch
 
 from megatron3d.config import ModelConfig
 from megatron3d.model.context import LayerContext
+from megatron3d.model.gpt import build_gpt, lm_loss
+from megatron3d.mpu.meta import get_meta
+from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup
 
 _BASE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
@@ -40,6 +43,23 @@ def layer_context(cfg: ModelConfig, seed: int = 1234, tp: AxisGroup | None = Non
 
 def replace(cfg: ModelConfig, **changes) -> ModelConfig:
     return dataclasses.replace(cfg, **changes)
+
+
+def two_micro_batches(cfg: ModelConfig, seed: int = 1234) -> tuple[list, dict, RNGStreams]:
+    """One process: the whole model forward and backward on two seeded micro-batches of 3
+    sequences, with its dropout streams: (losses, gradients by logical name, the streams)."""
+    cpu = torch.device("cpu")
+    rng = RNGStreams.create(seed, tp_rank=0, pp_rank=0, dev=cpu)
+    ctx = LayerContext(cfg, AxisGroup.single(), seed, torch.float32, cpu, rng)
+    model = build_gpt(ctx).train()
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(2):
+        data = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length + 1), generator=gen)
+        loss = lm_loss(model(data[:, :-1]), data[:, 1:], torch.ones(3, cfg.seq_length), ctx)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {get_meta(p).name: p.grad for p in model.parameters()}, rng
 
 
 def train_argv(flavour: str = "gpt2", iters: int = 10, *extra: str) -> list[str]:

@@ -22,13 +22,11 @@ from megatron3d.accounting.activations import saved_bytes
 from megatron3d.model import grouped_attention
 from megatron3d.model.attention import SelfAttention
 from megatron3d.model.context import LayerContext
-from megatron3d.model.gpt import build_gpt, lm_loss
 from megatron3d.model.grouped_attention import Path, attention, grouped_path
 from megatron3d.model.positional import alibi_causal_bias, alibi_slopes
-from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup
-from tests.helpers.tiny import model_config
+from tests.helpers.tiny import model_config, two_micro_batches
 from tests.helpers.tolerances import FP32
 
 CPU = torch.device("cpu")
@@ -136,17 +134,8 @@ def _train(flavour: str, recompute: str | None, dropout: float) -> tuple[list, d
     """Two micro-batches of a GQA model forward and backward: (losses, gradients)."""
     cfg = model_config(flavour, recompute_granularity=recompute, hidden_dropout=dropout,
                        attention_dropout=dropout, hidden_size=HEADS * 4, **GQA)
-    rng = RNGStreams.create(1234, tp_rank=0, pp_rank=0, dev=CPU)
-    ctx = LayerContext(cfg, AxisGroup.single(), 1234, torch.float32, CPU, rng)
-    model = build_gpt(ctx).train()
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(2):
-        data = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length + 1), generator=gen)
-        loss = lm_loss(model(data[:, :-1]), data[:, 1:], torch.ones(3, cfg.seq_length), ctx)
-        loss.backward()
-        losses.append(loss.detach())
-    return losses, {get_meta(p).name: p.grad for p in model.parameters()}
+    losses, grads, _ = two_micro_batches(cfg)
+    return losses, grads
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])

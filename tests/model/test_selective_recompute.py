@@ -16,10 +16,8 @@ import torch
 from megatron3d.model import grouped_attention
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt, lm_loss
-from megatron3d.mpu.meta import get_meta
-from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup
-from tests.helpers.tiny import FLAVOURS, model_config
+from tests.helpers.tiny import FLAVOURS, model_config, two_micro_batches
 
 CPU, SEED = torch.device("cpu"), 1234
 
@@ -28,17 +26,7 @@ def _run(flavour: str, recompute: str | None) -> tuple[list, dict, dict]:
     """Two micro-batches forward and backward: (losses, gradients, RNG states after)."""
     cfg = model_config(flavour, recompute_granularity=recompute, hidden_dropout=0.2,
                        attention_dropout=0.2)
-    rng = RNGStreams.create(SEED, tp_rank=0, pp_rank=0, dev=CPU)
-    ctx = LayerContext(cfg, AxisGroup.single(), SEED, torch.float32, CPU, rng)
-    model = build_gpt(ctx).train()
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(2):
-        data = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length + 1), generator=gen)
-        loss = lm_loss(model(data[:, :-1]), data[:, 1:], torch.ones(3, cfg.seq_length), ctx)
-        loss.backward()
-        losses.append(loss.detach())
-    grads = {get_meta(p).name: p.grad for p in model.parameters()}
+    losses, grads, rng = two_micro_batches(cfg, SEED)
     return losses, grads, rng.get_state()
 
 

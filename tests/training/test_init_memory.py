@@ -74,19 +74,20 @@ def _can_reset_peak() -> bool:
     return True
 
 
+def _assert_ratio(growth, bound: float, what: str) -> None:
+    """Four ranks' growth at most ``bound`` times one process's."""
+    single = run_distributed(growth, 1, 1, timeout_s=180)[0]
+    per_rank = run_distributed(growth, 4, 4, timeout_s=180)
+    ratio = max(per_rank) / single
+    assert ratio <= bound, (f"{what} ranks grew {[b >> 20 for b in per_rank]} MiB, one "
+                            f"process {single >> 20} MiB: ratio {ratio:.2f}")
+
+
 @pytest.mark.skipif(not _can_reset_peak(), reason="needs Linux's /proc/self/clear_refs")
 def test_a_tp4_rank_grows_at_most_0_3x_a_tp1_rank():
-    single = run_distributed(_tp_growth, 1, 1, timeout_s=120)[0]
-    per_rank = run_distributed(_tp_growth, 4, 4, timeout_s=120)
-    ratio = max(per_rank) / single
-    assert ratio <= MAX_RATIO, (f"TP=4 ranks grew {[b >> 20 for b in per_rank]} MiB, TP=1 "
-                                f"{single >> 20} MiB: ratio {ratio:.2f}")
+    _assert_ratio(_tp_growth, MAX_RATIO, "TP=4")
 
 
 @pytest.mark.skipif(not _can_reset_peak(), reason="needs Linux's /proc/self/clear_refs")
 def test_a_zero3_rank_at_dp4_grows_at_most_0_4x_one_process():
-    single = run_distributed(_zero3_growth, 1, 1, timeout_s=180)[0]
-    per_rank = run_distributed(_zero3_growth, 4, 4, timeout_s=180)
-    ratio = max(per_rank) / single
-    assert ratio <= MAX_ZERO3_RATIO, (f"ZeRO-3 ranks grew {[b >> 20 for b in per_rank]} MiB, "
-                                      f"one process {single >> 20} MiB: ratio {ratio:.2f}")
+    _assert_ratio(_zero3_growth, MAX_ZERO3_RATIO, "ZeRO-3 DP=4")
