@@ -11,10 +11,10 @@ callers that must not modify their input clone first.
 Point-to-point (``start_exchange``, the pipeline's transfers) gives every transfer a work of
 its own, so that the engine waits for a received tensor only where it is read. Per backend:
 
-- gloo: one ``batch_isend_irecv`` on ``axis.group``. gloo does not coalesce a batch: it posts
-  each operation alone and returns one work per operation, moved by gloo's own threads with
-  no streams, so a pending receive never holds a send back and the posting order is free;
-  one group is enough.
+- gloo: one ``batch_isend_irecv`` on ``axis.group``, kept because it is already right there.
+  gloo does not coalesce a batch: it posts each operation alone and returns one work per
+  operation, moved by gloo's own threads with no streams, so a pending receive never holds
+  a send back, the order across peers and directions is free, and one group is enough.
 - NCCL: ``batch_isend_irecv`` coalesces the batch into one NCCL group with one work, so the
   first receive waited for would wait for every transfer of the exchange, sends included.
   Each transfer is therefore posted alone (``isend``/``irecv``). ProcessGroupNCCL runs a

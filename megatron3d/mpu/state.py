@@ -29,7 +29,8 @@ class AxisGroup:
     reverse: a second group over the same members, carrying the point-to-point transfers
         towards a lower index while ``group`` carries those towards a higher one: each
         direction of a pipeline link then has its own NCCL communicator and stream
-        (``comm.start_exchange``). The pipeline axis has one except on gloo; None elsewhere.
+        (``comm.start_exchange``). A pipeline axis of size > 1 has one except on gloo; None
+        elsewhere.
     """
 
     group: dist.ProcessGroup | None

@@ -13,16 +13,14 @@ A stage output that has been sent is only needed for its autograd graph: its dat
 after the send (as Megatron does) and its backward runs from the graph alone, so a stage
 holding many in-flight micro-batches keeps none of their outputs.
 
-An ``Exchange`` posts its transfers (``comm.start_exchange``: each with a work of its own, on
-gloo and on NCCL) but does not wait for them there:
+An ``Exchange`` posts its transfers in the schedule's order but does not wait for them there:
 a received tensor is waited for just before the computation that reads it, and the sends are
 waited for at the next exchange (which releases the sent output's memory) or at the end of
 the batch. A rank therefore never idles for a message its next computation does not need (the
 gradient that arrives while a forward runs, under interleaving), and only ever waits later
 than the blocking order the schedules are checked with (``simulate.py``), so a program that
-finishes there finishes here (on NCCL's streams too: ``comm.py``). On NCCL the waits order
-the compute stream, not the host: communication overlaps the computation in between
-(Megatron's --overlap-p2p-communication).
+finishes there finishes here. On NCCL the waits order the compute stream, not the host:
+communication overlaps the computation in between (Megatron's --overlap-p2p-communication).
 """
 
 from __future__ import annotations
