@@ -70,8 +70,9 @@ TABLE: tuple[CompatFlag, ...] = (
              "method with one layer)", nargs=1),
     *_notice("--overlap-grad-reduce", "always on: gradient buckets are reduced while backward "
              "runs"),
-    *_notice("--overlap-p2p-communication", "always on: pipeline transfers are waited for "
-             "only by the computation that needs them"),
+    *_notice("--overlap-p2p-communication", "always on: each pipeline transfer is waited "
+             "for only by the computation that needs it (on NCCL each is posted alone, each "
+             "direction of a link on its own communicator)"),
     *_notice("--distributed-backend", "NCCL on GPUs and gloo on CPU are picked by the device",
              nargs=1),
     *_notice("--DDP-impl", "data parallelism is megatron3d's own: bucketed gradient reduction "

@@ -7,6 +7,49 @@ absorbed in one place, and every collective is shown to the observers of ``traff
 
 Reductions and broadcast work in place on the given tensor and return it (like torch);
 callers that must not modify their input clone first.
+
+Point-to-point (``start_exchange``, the pipeline's transfers) gives every transfer a work of
+its own, so that the engine waits for a received tensor only where it is read. Per backend:
+
+- gloo: one ``batch_isend_irecv`` on ``axis.group``, kept because it is already right there.
+  gloo does not coalesce a batch: it posts each operation alone and returns one work per
+  operation, moved by gloo's own threads with no streams, so a pending receive never holds
+  a send back, the order across peers and directions is free, and one group is enough.
+- NCCL: ``batch_isend_irecv`` coalesces the batch into one NCCL group with one work, so the
+  first receive waited for would wait for every transfer of the exchange, sends included.
+  Each transfer is therefore posted alone (``isend``/``irecv``). ProcessGroupNCCL runs a
+  lone transfer on a two-rank communicator its process group keeps for that pair of ranks,
+  on that communicator's one CUDA stream: a send and a receive between the same two ranks
+  run in the order posted, a receive behind a send waits for it, and a large send finishes
+  only once the peer's receive runs (the two kernels meet). Two neighbours that both post a
+  send before the receive of the other's message would wait for each other forever.
+  Megatron-LM's unbatched path posts even and odd pipeline ranks in opposite orders so both
+  ends of a link agree, and at PP = 2 moves one direction to the world group so the two
+  overlap. Here the pipeline axis off gloo has a second group over the same ranks
+  (``AxisGroup.reverse``, at every PP): a transfer towards a higher member index goes on
+  ``group``, towards a lower one on ``reverse``. Each stream then carries one direction of
+  one link, whose sends and receives pair in the order posted; a receive waits only for
+  the messages sent before it on that link and direction, never for a send or a later
+  receive.
+
+Why that cannot deadlock: number the transfers in the order the blocking model of
+``pipeline/simulate.py`` (an exchange waits for all its transfers) matches them. On NCCL a
+transfer waits for those before it on its two streams (earlier messages of its link and
+direction, matched earlier in the model too) and for the compute work posted before it,
+which waits for the receives it reads and the sends of earlier exchanges (matched before, in
+the model, which computes only once an exchange is complete). Every wait is for an earlier
+transfer, so the earliest unfinished one can always run: a schedule the simulator accepts
+finishes.
+
+Within an exchange the transfers are posted in link order (``link_order``: lower index,
+higher index, towards the higher first), the same at both ends of every link. NCCL creates
+a pair's communicator at the first transfer over it and blocks the host until the other end
+comes; meeting them in one global order cannot deadlock, and the engine's handshake meets
+every link so, before any schedule runs. Where torch puts several links or directions on one
+stream (a process group with a bound ``device_id`` runs lone transfers on its one
+communicator; megatron3d binds none), link order still mirrors each link's sequence at its
+two ends (the lower rank sends first, as Megatron's even ranks do), and
+``tests/pipeline/test_nccl_streams.py`` runs every schedule under each such mapping.
 """
 
 from __future__ import annotations
@@ -183,8 +226,9 @@ class Work(Protocol):
 
 
 class _Shared:
-    """One work standing for every transfer of a coalesced batch: waited for once, by the
-    first transfer needed (a second wait is not safe on every backend)."""
+    """One work standing for every transfer of a coalesced batch (an exchange on an axis
+    without a ``reverse`` group, off gloo): waited for once, by the first transfer needed (a
+    second wait is not safe on every backend)."""
 
     def __init__(self, work: Work) -> None:
         self._work: Work | None = work
@@ -204,30 +248,54 @@ def exchange(sends: list[tuple], recvs: list[tuple], axis: AxisGroup) -> None:
 def start_exchange(sends: list[tuple], recvs: list[tuple],
                    axis: AxisGroup) -> list[Work]:
     """Post every send ``(tensor, dst_index[, tag])`` and receive ``(buffer, src_index[,
-    tag])`` together (pipeline neighbours sending to each other at once cannot deadlock);
-    returns one work per transfer, the sends' first, in the order given. Wait a receive's
-    work before reading its buffer; a send's holds its tensor until waited. Backends that
-    coalesce the batch (NCCL) give one work for all of it: every transfer then gets that work,
-    waited for once, which orders the caller's stream after the whole batch (the host does
-    not block).
-    This is the only point-to-point path, so messages between two ranks always travel in the
-    order posted."""
-    ops = []
-    for t, dst, *tag in sends:
-        peer = axis.ranks[dst]
-        _check(axis, "send", t, peer, tag[0] if tag else None)
-        ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group=axis.group))
-    for t, src, *tag in recvs:
-        peer = axis.ranks[src]
-        _check(axis, "recv", t, peer, tag[0] if tag else None)
-        ops.append(dist.P2POp(dist.irecv, t, peer, group=axis.group))
-    if not ops:
+    tag])`` (pipeline neighbours sending to each other at once cannot deadlock); returns one
+    work per transfer, the sends' first, in the order given. Wait a receive's work before
+    reading its buffer; a send's holds its tensor until waited. On NCCL a wait orders the
+    caller's stream after that transfer alone (the host does not block); see the module
+    docstring for how each backend posts.
+    This is the only point-to-point path, and transfers between two ranks in one direction
+    are posted in the order given, so messages between two ranks always travel in order."""
+    transfers = ([(True, t.contiguous(), i, tag) for t, i, *tag in sends]
+                 + [(False, t, i, tag) for t, i, *tag in recvs])
+    for sending, t, i, tag in transfers:
+        _check(axis, "send" if sending else "recv", t, axis.ranks[i], tag[0] if tag else None)
+    if not transfers:
         return []
-    works = dist.batch_isend_irecv(ops)
+    if axis.reverse is not None:
+        return _one_by_one(transfers, axis)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend if sending else dist.irecv, t, axis.ranks[i], group=axis.group)
+        for sending, t, i, _ in transfers])
     if len(works) == 1:
-        return [_Shared(works[0])] * len(ops)
-    assert len(works) == len(ops), f"{len(works)} works for {len(ops)} transfers"
+        return [_Shared(works[0])] * len(transfers)
+    assert len(works) == len(transfers), f"{len(works)} works for {len(transfers)} transfers"
     return works
+
+
+def link_of(me: int, peer: int, sending: bool) -> tuple[int, int, int]:
+    """The one-way link a transfer between members ``me`` and ``peer`` of an axis travels,
+    named alike at both ends: (lower index, higher index, 0 towards the higher or 1 towards
+    the lower)."""
+    src, dst = (me, peer) if sending else (peer, me)
+    return min(src, dst), max(src, dst), int(src > dst)
+
+
+def link_order(me: int, transfers: list[tuple[int, bool]]) -> list[int]:
+    """Indices of ``transfers`` ``(peer index, sending)`` in the order they are posted one
+    by one: by ``link_of``, and as given within one link and direction (a stable sort)."""
+    return sorted(range(len(transfers)), key=lambda k: link_of(me, *transfers[k]))
+
+
+def _one_by_one(transfers: list[tuple], axis: AxisGroup) -> list[Work]:
+    """Post each transfer alone, in link order, on its direction's group; the works in the
+    given order (NCCL)."""
+    works: dict[int, Work] = {}
+    for k in link_order(axis.rank, [(i, sending) for sending, _, i, _ in transfers]):
+        sending, t, i, _ = transfers[k]
+        post = dist.isend if sending else dist.irecv
+        lower = link_of(axis.rank, i, sending)[2]
+        works[k] = post(t, axis.ranks[i], group=axis.reverse if lower else axis.group)
+    return [works[k] for k in range(len(transfers))]
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], axis: AxisGroup) -> None:

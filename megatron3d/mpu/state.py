@@ -26,6 +26,11 @@ class AxisGroup:
     ranks: global ranks of the members, in axis order.
     name: which axis ("tp", "pp", ...): tells two groups with the same members apart in
         hang dumps.
+    reverse: a second group over the same members, carrying the point-to-point transfers
+        towards a lower index while ``group`` carries those towards a higher one: each
+        direction of a pipeline link then has its own NCCL communicator and stream
+        (``comm.start_exchange``). A pipeline axis of size > 1 has one except on gloo; None
+        elsewhere.
     """
 
     group: dist.ProcessGroup | None
@@ -33,6 +38,7 @@ class AxisGroup:
     size: int
     ranks: tuple[int, ...]
     name: str = ""
+    reverse: dist.ProcessGroup | None = None
 
     @classmethod
     def single(cls, world_rank: int = 0) -> AxisGroup:
@@ -70,18 +76,25 @@ class ParallelState:
                    topology=Topology(world_size=1, tp=1, pp=1))
 
     @classmethod
-    def build(cls, tp_size: int, pp_size: int) -> ParallelState:
+    def build(cls, tp_size: int, pp_size: int, *,
+              directed_links: bool | None = None) -> ParallelState:
         """Create every group of the layout; a collective call: all ranks must make it.
 
         ``dist.new_group`` must be called by every rank for every group in the same order,
         including groups the rank is not in, so the loops below never depend on the rank.
+        ``directed_links``: give the pipeline axis its ``reverse`` group (default: on every
+        backend but gloo, whose batches already give each transfer its own work; tests set it
+        to run NCCL's posting on gloo).
         """
         if not dist.is_initialized():
             raise RuntimeError("ParallelState.build needs torch.distributed initialised; "
                                "use ParallelState.single() for one process")
         world_rank, world_size = dist.get_rank(), dist.get_world_size()
         topo = Topology(world_size=world_size, tp=tp_size, pp=pp_size)
-        axes = {name: _create_groups(name, groups, world_rank) for name, groups in (
+        if directed_links is None:
+            directed_links = dist.get_backend() != "gloo"
+        axes = {name: _create_groups(name, groups, world_rank, name == "pp" and directed_links
+                                     and pp_size > 1) for name, groups in (
             ("tp", topo.tp_groups()), ("pp", topo.pp_groups()), ("dp", topo.dp_groups()),
             ("mp", topo.model_parallel_groups()), ("embedding", topo.embedding_groups()))}
         return cls(**axes, world_rank=world_rank, world_size=world_size, topology=topo)
@@ -107,12 +120,15 @@ class ParallelState:
         return self.embedding.is_member
 
 
-def _create_groups(name: str, groups: RankGroups, world_rank: int) -> AxisGroup:
-    """Call new_group for every member list; return this rank's view of its own group."""
+def _create_groups(name: str, groups: RankGroups, world_rank: int,
+                   reverse: bool = False) -> AxisGroup:
+    """Call new_group for every member list (twice with ``reverse``); return this rank's view
+    of its own group."""
     mine = AxisGroup.absent()
     for ranks in groups:
         group = dist.new_group(list(ranks))
+        second = dist.new_group(list(ranks)) if reverse else None
         if world_rank in ranks:
             mine = AxisGroup(group=group, rank=ranks.index(world_rank), size=len(ranks),
-                             ranks=ranks, name=name)
+                             ranks=ranks, name=name, reverse=second)
     return mine

@@ -194,22 +194,21 @@ class PipelineEngine:
         """Agree once that neighbours send what this stage expects: a launch with mismatched
         model flags fails here, on both sides of the mismatch and with both shapes, instead
         of hanging or misreading bytes. Each stage sends its description both ways, so the
-        neighbour that would only send learns of the mismatch too."""
+        neighbour that would only send learns of the mismatch too. Under interleaving the
+        last and first ranks are neighbours too, so every link the schedules use (and, on
+        NCCL, each direction's communicator) is met here once, before any batch."""
         mine = self._describe()
-        before, after = torch.empty_like(mine), torch.empty_like(mine)
-        sends, recvs = [], []
+        p, r, ring = self.pp.size, self.pp.rank, len(self.chunks) > 1
+        peers = sorted({q % p for q in (r - 1, r + 1) if ring or 0 <= q < p} - {r})
+        theirs = {q: torch.empty_like(mine) for q in peers}
         tag = ("handshake",)
-        if not self.first:
-            sends.append((mine, self.pp.rank - 1, tag))
-            recvs.append((before, self.pp.rank - 1, tag))
-        if not self.last:
-            sends.append((mine, self.pp.rank + 1, tag))
-            recvs.append((after, self.pp.rank + 1, tag))
-        comm.exchange(sends, recvs, self.pp)
-        if not self.first and not torch.equal(mine, before):
-            raise _mismatch(self.pp.rank - 1, before, self.pp.rank, mine)
-        if not self.last and not torch.equal(mine, after):
-            raise _mismatch(self.pp.rank, mine, self.pp.rank + 1, after)
+        comm.exchange([(mine, q, tag) for q in peers], [(theirs[q], q, tag) for q in peers],
+                      self.pp)
+        for q in peers:
+            if not torch.equal(mine, theirs[q]):  # named alike on both: sender first
+                fed_by = q == r - 1 or (r == 0 and q == p - 1 and p > 2)  # or the ring's wrap
+                raise (_mismatch(q, theirs[q], r, mine) if fed_by
+                       else _mismatch(r, mine, q, theirs[q]))
 
     def _describe(self) -> torch.Tensor:
         dims = list(self.shape) + [0] * (6 - len(self.shape))

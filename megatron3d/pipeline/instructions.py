@@ -3,9 +3,10 @@
 A schedule is a pure list of these per rank (``schedule.py`` makes them, tests inspect and
 simulate them without processes, ``engine.py`` executes them). Communication with the
 neighbouring ranks is one ``Exchange`` step whose sends and receives are posted together, so
-two neighbours sending to each other at once cannot deadlock, and every message between two
-ranks travels in one fixed order. Schedules are checked as if an exchange then waited for all
-its transfers; the engine waits for each only where it is needed, which is never earlier.
+two neighbours sending to each other at once cannot deadlock (``mpu/comm.py`` says how on
+each backend), and every message between two ranks travels in one fixed order. Schedules
+are checked as if an exchange then waited for all its transfers; the engine waits for each
+only where it is needed, which is never earlier.
 
 With interleaving a rank holds ``v`` model chunks: chunk ``c`` of rank ``r`` is virtual stage
 ``c * p + r`` of ``p * v``. Computations and transfers name the chunk they belong to on the

@@ -5,7 +5,8 @@ wrong micro-batch. Executing the pure instruction lists with the engine's commun
 catches both in microseconds, so tests run it on every layout and the engine can run it once
 at start on the real schedule.
 
-Rules (those of ``instructions.py`` and of batched isend/irecv under NCCL and gloo):
+Rules (the blocking model of ``instructions.py``; the engine, on gloo and on NCCL's streams,
+only ever waits for a transfer this model has already matched: ``mpu/comm.py``):
 
 - An ``Exchange`` posts all its transfers, then waits until every one is matched. A posted
   transfer stays posted until matched, whatever its poster does meanwhile.

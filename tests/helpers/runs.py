@@ -30,21 +30,23 @@ class RunResult:
     last_stage: bool = True
 
 
-def build(argv: list[str], overrides: Overrides | None = None,
-          **hooks: Any) -> tuple[Trainer, ParallelState]:
+def build(argv: list[str], overrides: Overrides | None = None, *,
+          directed_links: bool | None = None, **hooks: Any) -> tuple[Trainer, ParallelState]:
     """The trainer ``pretrain_gpt.py argv`` would run, on the initialised process group;
-    ``hooks`` (``on_step=...``) are the trainer's ``Hooks``, ``overrides`` the rest."""
+    ``hooks`` (``on_step=...``) are the trainer's ``Hooks``, ``overrides`` the rest;
+    ``directed_links`` as ``ParallelState.build`` takes it."""
     cfg = with_checkpoint_args(parse_args(argv))
     validate(cfg, torch.distributed.get_world_size())
     state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
-                                cfg.parallel.pipeline_model_parallel_size)
+                                cfg.parallel.pipeline_model_parallel_size,
+                                directed_links=directed_links)
     given = overrides or Overrides()
     if hooks:
         given = dataclasses.replace(given, hooks=dataclasses.replace(given.hooks, **hooks))
     return build_trainer(cfg, state, torch.device("cpu"), overrides=given), state
 
 
-def train(argv: list[str]) -> RunResult:
+def train(argv: list[str], *, directed_links: bool | None = None) -> RunResult:
     """Train with ``argv`` on the already-initialised process group (all ranks call this)."""
     losses, norms = [], []
 
@@ -52,7 +54,7 @@ def train(argv: list[str]) -> RunResult:
         losses.append(result.loss)
         norms.append(result.stats.grad_norm)
 
-    trainer, state = build(argv, on_step=record)
+    trainer, state = build(argv, directed_links=directed_links, on_step=record)
     trainer.run()
     params = {}
 

@@ -124,9 +124,9 @@ def test_non_member_axis_refuses_collectives() -> None:
 
 
 def test_a_coalesced_batch_gives_every_transfer_one_work_waited_once(monkeypatch):
-    """NCCL coalesces a batch of sends and receives into one work: every transfer gets it,
-    and it is waited for once however many transfers ask (a second wait is not safe on
-    every backend)."""
+    """On an axis without a reverse group, NCCL coalesces the batch of sends and receives
+    into one work: every transfer gets it, and it is waited for once however many transfers
+    ask (a second wait is not safe on every backend)."""
 
     class OneWork:
         waits = 0
@@ -143,3 +143,30 @@ def test_a_coalesced_batch_gives_every_transfer_one_work_waited_once(monkeypatch
     for work in works:
         work.wait()
     assert OneWork.waits == 1
+
+
+def test_with_a_reverse_group_each_transfer_is_posted_alone_in_link_order(monkeypatch):
+    """NCCL's path: never a batch; each transfer its own work, on ``group`` towards a higher
+    index and on ``reverse`` towards a lower one, posted link by link (the link with the
+    lower ranks first; on a link, towards the higher first), so both ends of every link
+    post its directions in the same order. Mutations: one group for both directions, or
+    the order given, fail."""
+    posted = []
+
+    def post(kind):
+        def start(tensor, peer, group):
+            posted.append((kind, peer, group))
+            return posted[-1]  # the work: what it moves
+        return start
+
+    monkeypatch.setattr(comm.dist, "isend", post("send"))
+    monkeypatch.setattr(comm.dist, "irecv", post("recv"))
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", None)
+    axis = AxisGroup(group="up", rank=1, size=3, ranks=(10, 11, 12), name="pp", reverse="down")
+    sends = [(torch.ones(2), 2), (torch.ones(2), 0)]
+    recvs = [(torch.empty(2), 0), (torch.empty(2), 2)]
+    works = comm.start_exchange(sends, recvs, axis)
+    assert posted == [("recv", 10, "up"), ("send", 10, "down"),
+                      ("send", 12, "up"), ("recv", 12, "down")]
+    assert works == [("send", 12, "up"), ("send", 10, "down"),  # in the order given
+                     ("recv", 10, "up"), ("recv", 12, "down")]

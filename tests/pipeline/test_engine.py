@@ -5,8 +5,10 @@ transfer."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -14,18 +16,23 @@ from megatron3d.errors import ConfigError
 from megatron3d.mpu.state import ParallelState
 from megatron3d.pipeline.engine import PipelineEngine
 from tests.helpers.dist import run_distributed
+from tests.helpers.nccl_like import coalescing_batches
 
 SHAPE = (16, 2, 32)  # [s, b, h]
 
 
-def _handshake(shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> str | None:
+def _handshake(shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], chunks: int = 1,
+               directed_links: bool | None = None) -> str | None:
     """Build this rank's engine with its own activation shape and dtype; the error, if any."""
-    state = ParallelState.build(1, len(shapes))
+    from megatron3d.pipeline.spec import VirtualStages
+
+    state = ParallelState.build(1, len(shapes), directed_links=directed_links)
     rank = state.pp.rank
+    stage = nn.Identity() if chunks == 1 else VirtualStages([nn.Identity()] * chunks)
     try:
-        PipelineEngine(nn.Identity(), state.pp, lambda out, batch: out.sum(),
+        PipelineEngine(stage, state.pp, lambda out, batch: out.sum(),
                        activation_shape=shapes[rank], dtype=dtypes[rank],
-                       device=torch.device("cpu"))
+                       device=torch.device("cpu"), chunks=chunks)
     except ConfigError as err:
         return str(err)
     return None
@@ -51,17 +58,32 @@ def test_a_dtype_mismatch_fails_on_both_sides():
                "bfloat16" in e for e in errors), errors
 
 
+def test_interleaving_checks_the_link_from_the_last_rank_to_the_first():
+    """With chunks, the last rank feeds the first: a mismatch there fails on both, named
+    alike, also when each transfer is posted alone (NCCL's path)."""
+    shapes = [(16, 2, 64), SHAPE, SHAPE]
+    for directed_links in (False, True):
+        errors = run_distributed(_handshake, 3, shapes, [torch.float32] * 3, 2, directed_links,
+                                 timeout_s=60)
+        ring = ("pipeline stage 2 sends activations [16, 2, 32] float32 but stage 0 expects "
+                "[16, 2, 64] float32")
+        assert errors[2] is not None and errors[2].startswith(ring), errors
+        assert all(e is not None and "stage 0 sends activations [16, 2, 64]" in e
+                   for e in errors[:2]), errors
+
+
 class _Batch:
     def __init__(self, tokens: torch.Tensor) -> None:
         self.tokens = tokens
 
 
-def _linear_pipeline(chunks: int) -> tuple[PipelineEngine, list[nn.Sequential]]:
+def _linear_pipeline(chunks: int, directed_links: bool | None = None,
+                     ) -> tuple[PipelineEngine, list[nn.Sequential]]:
     """Two pipeline ranks with a linear layer per chunk (1F1B, or interleaved for
     ``chunks`` > 1): this rank's engine and chunks."""
     from megatron3d.pipeline.spec import VirtualStages
 
-    state = ParallelState.build(1, 2)
+    state = ParallelState.build(1, 2, directed_links=directed_links)
     torch.manual_seed(0)
     layers = [nn.Linear(SHAPE[-1], SHAPE[-1]) for _ in range(2 * chunks)]
     mine = [nn.Sequential(layers[c * 2 + state.pp.rank]) for c in range(chunks)]
@@ -122,45 +144,53 @@ class _LoggedWork:
         self.work.wait()
 
 
-def _waits_and_computations(chunks: int) -> list[tuple]:
-    """This rank's log of one batch: ("post", labels) per exchange, ("compute", kind, mb,
-    chunk) as each computation starts, ("wait", label) as each transfer is waited for; a
-    label is ("send" | "recv", the message's tag)."""
+def _waits_and_computations(chunks: int, nccl_like: bool) -> list[tuple]:
+    """This rank's log of one batch: ("post", labels, distinct works) per exchange,
+    ("compute", kind, mb, chunk) as each computation starts, ("wait", label) as each
+    transfer is waited for; a label is ("send" | "recv", the message's tag)."""
     from megatron3d.mpu import comm
 
-    engine, _ = _linear_pipeline(chunks)
-    events: list[tuple] = []
-    start, forward, backward = comm.start_exchange, engine._forward, engine._backward
+    with coalescing_batches() if nccl_like else contextlib.nullcontext():
+        engine, _ = _linear_pipeline(chunks, directed_links=nccl_like)
+        events: list[tuple] = []
+        start, forward, backward = comm.start_exchange, engine._forward, engine._backward
 
-    def logged_start(sends, recvs, axis):
-        labels = [("send", tag) for *_, tag in sends] + [("recv", tag) for *_, tag in recvs]
-        events.append(("post", labels))
-        return [_LoggedWork(w, label, events)
-                for w, label in zip(start(sends, recvs, axis), labels, strict=True)]
+        def logged_start(sends, recvs, axis):
+            labels = [("send", tag) for *_, tag in sends] + [("recv", tag) for *_, tag in recvs]
+            works = start(sends, recvs, axis)
+            events.append(("post", labels, len({id(work) for work in works})))
+            return [_LoggedWork(w, label, events) for w, label in zip(works, labels, strict=True)]
 
-    def logged(kind, run_step):
-        def wrapper(step, *args):
-            events.append(("compute", kind, step.micro_batch, step.chunk))
-            return run_step(step, *args)
-        return wrapper
+        def logged(kind, run_step):
+            def wrapper(step, *args):
+                events.append(("compute", kind, step.micro_batch, step.chunk))
+                return run_step(step, *args)
+            return wrapper
 
-    engine._forward, engine._backward = logged("F", forward), logged("B", backward)
-    comm.start_exchange = logged_start
-    try:
-        engine.forward_backward([_Batch(torch.randn(SHAPE)) for _ in range(4)], 1.0)
-    finally:
-        comm.start_exchange = start
+        engine._forward, engine._backward = logged("F", forward), logged("B", backward)
+        comm.start_exchange = logged_start
+        try:
+            engine.forward_backward([_Batch(torch.randn(SHAPE)) for _ in range(4)], 1.0)
+        finally:
+            comm.start_exchange = start
     return events
 
 
-def test_transfers_are_waited_for_only_where_needed():
+@pytest.mark.parametrize("nccl_like", [False, True])
+def test_transfers_are_waited_for_only_where_needed(nccl_like: bool):
     """A received tensor is waited for as the computation that reads it starts (not at its
     exchange), a send at the next exchange or the end of the batch; under interleaving a
-    gradient thus arrives while a forward runs. Mutation: waiting at the exchange, as before,
-    fails the first check."""
+    gradient thus arrives while a forward runs. Every exchange hands out one work per
+    transfer, also where a batch of transfers gives one work for all of it (``nccl_like``:
+    gloo posting as NCCL does), so each wait is for that transfer alone. Mutations: waiting
+    at the exchange, as before, fails the first check; posting NCCL's transfers as one
+    batch fails the count of works."""
     overlapped = 0
     for chunks in (1, 2):
-        for events in run_distributed(_waits_and_computations, 2, chunks, timeout_s=60):
+        for events in run_distributed(_waits_and_computations, 2, chunks, nccl_like,
+                                      timeout_s=60):
+            posts = [e for e in events if e[0] == "post"]
+            assert all(works == len(labels) for _, labels, works in posts), posts
             waited = [i for i, e in enumerate(events) if e[0] == "wait"]
             for i in waited:
                 kind, label = events[i][1]
@@ -175,7 +205,7 @@ def test_transfers_are_waited_for_only_where_needed():
                     later = [j for j, e in enumerate(events) if e[0] == "post" and j > posted]
                     assert i > (later[0] if later else max(
                         j for j, e in enumerate(events) if e[0] == "compute")), events[i]
-            labels = [label for e in events if e[0] == "post" for label in e[1]]
+            labels = [label for e in posts for label in e[1]]
             assert sorted(labels) == sorted(events[i][1] for i in waited)  # each waited once
             if chunks == 2:
                 overlapped += sum(_computations_while_in_flight(events))

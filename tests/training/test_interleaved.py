@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.nccl_like import coalescing_batches
 from tests.helpers.runs import assert_same_run, merge_ranks, reference_run, train
 from tests.helpers.tiny import train_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
@@ -30,12 +31,21 @@ def _runs(cases: list[tuple[str, int, tuple[str, ...]]]) -> list:
     return [train(_argv(flavour, layers, *extra)) for flavour, layers, extra in cases]
 
 
-def _check(world: int, cases: list[tuple[str, int, tuple[str, ...]]]) -> None:
-    per_rank = run_distributed(_runs, world, cases, timeout_s=300)
+def _nccl_like_runs(cases: list[tuple[str, int, tuple[str, ...]]]) -> list:
+    """``_runs`` with gloo posting transfers as NCCL does (``tests/helpers/nccl_like.py``)."""
+    with coalescing_batches():
+        return [train(_argv(flavour, layers, *extra), directed_links=True)
+                for flavour, layers, extra in cases]
+
+
+def _check(world: int, cases: list[tuple[str, int, tuple[str, ...]]], runs=_runs,
+           reference_extra: tuple[str, ...] = ()) -> None:
+    per_rank = run_distributed(runs, world, cases, timeout_s=300)
     for i, (flavour, layers, extra) in enumerate(cases):
         merged = merge_ranks([rank_results[i] for rank_results in per_rank])
+        reference = reference_run(tuple(_argv(flavour, layers, *reference_extra)))
         try:
-            assert_same_run(merged, reference_run(tuple(_argv(flavour, layers))), FP32)
+            assert_same_run(merged, reference, FP32)
         except AssertionError as err:
             raise AssertionError(f"{flavour}, {layers} layers, {extra}: {err}") from err
 
@@ -45,6 +55,17 @@ def test_pp2_with_two_and_three_chunks():
     _check(2, [("gpt2", 5, _layout(2, 2)), ("llama", 5, _layout(2, 2)),
                ("gpt2", 6, _layout(2, 3, "--pp-partition-method", "uniform")),
                ("llama", 4, _layout(2, 3, "--pp-partition-method", "uniform"))])
+
+
+def test_posting_transfers_as_on_nccl():
+    """NCCL's path (each transfer alone, each direction on its own group) at PP=2 x v=2,
+    where both ranks send to each other in both directions, and at PP=3 x v=2, where the
+    last rank feeds the first: the same model, also where a batch would give one work for
+    all its transfers."""
+    _check(2, [("gpt2", 4, _layout(2, 2))], runs=_nccl_like_runs)
+    batch = ("--global-batch-size", "12")  # 6 micro-batches: a multiple of PP = 3
+    _check(3, [("llama", 6, _layout(3, 2, "--pp-partition-method", "uniform", *batch))],
+           runs=_nccl_like_runs, reference_extra=batch)
 
 
 def test_pp4_with_two_and_three_chunks():

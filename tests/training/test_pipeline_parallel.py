@@ -9,6 +9,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from megatron3d.model.transformer import TransformerLayer
 from tests.helpers.dist import run_distributed
+from tests.helpers.nccl_like import coalescing_batches
 from tests.helpers.runs import assert_same_run, build, merge_ranks, reference_run, train
 from tests.helpers.tiny import train_argv
 from tests.helpers.tolerances import EQUIVALENCE_FLAGS, FP32
@@ -30,9 +31,16 @@ def _runs(cases: list[tuple[str, int, tuple[str, ...]]]) -> list:
     return [train(_argv(flavour, layers, *extra)) for flavour, layers, extra in cases]
 
 
+def _nccl_like_runs(cases: list[tuple[str, int, tuple[str, ...]]]) -> list:
+    """``_runs`` with gloo posting transfers as NCCL does (``tests/helpers/nccl_like.py``)."""
+    with coalescing_batches():
+        return [train(_argv(flavour, layers, *extra), directed_links=True)
+                for flavour, layers, extra in cases]
+
+
 def _check(world: int, cases: list[tuple[str, int, tuple[str, ...]]],
-           reference_extra: tuple[str, ...] = ()) -> None:
-    per_rank = run_distributed(_runs, world, cases)
+           reference_extra: tuple[str, ...] = (), runs=_runs) -> None:
+    per_rank = run_distributed(runs, world, cases)
     for i, (flavour, layers, extra) in enumerate(cases):
         merged = merge_ranks([rank_results[i] for rank_results in per_rank])
         try:
@@ -46,6 +54,14 @@ def test_pp2_uniform_tied_and_untied_with_and_without_recompute():
     _check(2, [("gpt2", 2, pp2), ("llama", 2, pp2), ("bloom", 2, pp2)])
     rc = ("--checkpoint-activations",)
     _check(2, [("gpt2", 2, (*pp2, *rc))], reference_extra=rc)
+
+
+def test_pp2_and_pp3_posting_transfers_as_on_nccl():
+    """NCCL's path (each transfer alone, each direction on its own group) trains the same
+    model, also where a batch would give one work for all its transfers."""
+    _check(2, [("gpt2", 2, ("--pipeline-model-parallel-size", "2"))], runs=_nccl_like_runs)
+    _check(3, [("llama", 3, ("--pipeline-model-parallel-size", "3", "--pp-partition-method",
+                             "uniform"))], runs=_nccl_like_runs)
 
 
 def test_pp4_uniform_and_pp4_embeddings_alone():
