@@ -72,8 +72,6 @@ TABLE: tuple[CompatFlag, ...] = (
              "runs"),
     *_notice("--overlap-p2p-communication", "always on: pipeline transfers are waited for "
              "only by the computation that needs them"),
-    *_notice("--distributed-backend", "NCCL on GPUs and gloo on CPU are picked by the device",
-             nargs=1),
     *_notice("--DDP-impl", "data parallelism is megatron3d's own: bucketed gradient reduction "
              "overlapped with backward", nargs=1),
     *_notice("--use-flash-attn", "attention runs through torch's scaled_dot_product_attention, "
