@@ -59,6 +59,7 @@ def gpt2(model: ModelConfig, weights: dict[str, torch.Tensor], dev: torch.device
         raise RuntimeError(f"weights do not fit GPT-2: missing {missing}, unexpected "
                            f"{unexpected}")
     hf.tie_weights()
+    hf.to(dev)  # in case from_config placed it elsewhere
     if compile_backend is not None:
         for block in hf.transformer.h:
             block.compile(backend=compile_backend)

@@ -8,6 +8,7 @@ Targets (findings, not failures): megatron3d at least as fast as the eager loop,
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 
@@ -68,12 +69,13 @@ def _baselines(ctx: Context, model: ModelConfig, weights: dict[str, torch.Tensor
     found: dict[str, hf_loop.Timed | str] = {}
     for name, backend in (("PyTorch loop, eager", None),
                           ("PyTorch loop, torch.compile", "eager" if ctx.cpu else "inductor")):
+        gc.collect()  # the previous run's model and optimizer back to the allocator
         try:
             hf = hf_loop.gpt2(model, weights, dev, backend)
             found[name] = hf_loop.train(hf, batches, shape.micro_batch, warmup, optim, dev)
         except Exception:  # one loop failing leaves the others' numbers
             found[name] = traceback.format_exc()
-        hf = None  # its memory goes back to the allocator before the next loop
+        hf = None
     return found
 
 
