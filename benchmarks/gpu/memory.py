@@ -3,27 +3,32 @@ save) against the start-up report's prediction for the same run.
 
 Measured by ``benchmarks.memory_phases.phase_peaks``: each phase's peak bytes above what was in
 use before the build (on a GPU the caching allocator's ``max_memory_allocated``; under --cpu
-the process's peak resident set). The prediction side is not written yet: its column reads
-``n/a`` until ``predicted`` below returns the start-up report's figures.
+the process's peak resident set). Predicted by ``benchmarks.memory_phases.predicted`` (the
+start-up report's model), which the lead engineer is adding: ``predicted`` below is the one
+place that reads it, and the column says ``n/a`` while it is not there.
 """
 
 from __future__ import annotations
 
 import torch
 
+from benchmarks import memory_phases
 from benchmarks.gpu import single
 from benchmarks.gpu.sections import Context, SectionResult
-from benchmarks.memory_phases import phase_peaks
 from megatron3d import device as devices
 
 MIB = 2**20
 STEPS = 3
 
 
-def predicted(flags: list[str]) -> dict[str, int | None]:
-    """PREDICTION GOES HERE (#29, lead engineer): the start-up report's bytes for each phase
-    of the run ``flags``; None (shown as n/a) until then."""
-    return dict.fromkeys(("build", "first step", "steady step", "evaluation", "save"))
+def predicted(flags: list[str], device_type: str) -> dict[str, int | None]:
+    """THE PREDICTION (#29): the start-up report's bytes for each phase of the one-rank run
+    ``flags``, from ``memory_phases.predicted`` once the prediction side is merged; None
+    (shown as n/a) until then."""
+    model = getattr(memory_phases, "predicted", None)
+    if model is None:
+        return dict.fromkeys(("build", "first step", "steady step", "evaluation", "save"))
+    return model(flags, 1, STEPS, device_type)
 
 
 def run(ctx: Context) -> SectionResult:
@@ -31,8 +36,8 @@ def run(ctx: Context) -> SectionResult:
     shape = single.TINY if ctx.cpu else single.GPT_125M
     flags = single.argv(shape, STEPS, "--eval-iters", "1", "--save", str(ctx.work / "ckpt"))
     with single.process_group():
-        peaks = phase_peaks(flags, dev, STEPS)
-    expected = predicted(flags)
+        peaks = memory_phases.phase_peaks(flags, dev, STEPS)
+    expected = predicted(flags, dev.type)
     rows = ["| phase | measured peak (MiB above the start) | predicted (MiB) |",
             "| --- | --- | --- |"]
     for phase, measured in peaks.items():
@@ -47,5 +52,11 @@ def run(ctx: Context) -> SectionResult:
                          {"shape": shape.describe(), "measured_bytes": peaks,
                           "predicted_bytes": expected, "measured": what,
                           "torch": torch.__version__},
-                         verdict=f"steady step {peaks['steady step'] / MIB:,.0f} MiB; "
-                         "prediction n/a")
+                         verdict=_verdict(peaks, expected))
+
+
+def _verdict(peaks: dict[str, int], expected: dict[str, int | None]) -> str:
+    """The steady step's peak, and its ratio to the prediction where there is one."""
+    measured, guess = peaks["steady step"], expected.get("steady step")
+    ratio = "prediction n/a" if not guess else f"{measured / guess:.2f}x the prediction"
+    return f"steady step {measured / MIB:,.0f} MiB, {ratio}"
