@@ -38,12 +38,13 @@ def run(ctx: Context) -> SectionResult:
     with single.process_group():
         peaks = memory_phases.phase_peaks(flags, dev, STEPS)
     expected = predicted(flags, dev.type)
-    rows = ["| phase | measured peak (MiB above the start) | predicted (MiB) |",
-            "| --- | --- | --- |"]
+    rows = ["| phase | measured peak (MiB above the start) | predicted (MiB) | measured / "
+            "predicted |", "| --- | --- | --- | --- |"]
     for phase, measured in peaks.items():
         guess = expected.get(phase)
-        rows.append(f"| {phase} | {measured / MIB:,.1f} | "
-                    f"{'n/a' if guess is None else f'{guess / MIB:,.1f}'} |")
+        cells = ("n/a", "n/a") if not guess else (f"{guess / MIB:,.1f}",
+                                                  f"{measured / guess:.2f}")
+        rows.append(f"| {phase} | {measured / MIB:,.1f} | {cells[0]} | {cells[1]} |")
     what = ("the CUDA caching allocator's peak allocated bytes" if dev.type == "cuda"
             else "the process's peak resident set (--cpu)")
     head = (f"{devices.describe(dev)}; bf16; {shape.describe()}; {STEPS} steps, one "
