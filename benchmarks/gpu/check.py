@@ -94,6 +94,7 @@ def _run_one(name: str, a: argparse.Namespace, work: Path, limit_s: float,
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
+    a.out = a.out.resolve()  # the sections' processes are told it
     names = _sections(a.sections)
     a.out.mkdir(parents=True, exist_ok=True)
     log = a.out / LOG
