@@ -82,13 +82,45 @@ def accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
-def backend() -> str:
-    return "nccl" if accelerator_available() else "gloo"
+def gpu_count() -> int:
+    """GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if accelerator_available() else 0
+
+
+def ranks_per_gpu(env: LaunchEnv) -> int:
+    """How many of this node's ranks share one GPU (1 on CPU): LOCAL_WORLD_SIZE (torchrun
+    sets it) over the GPUs, rounded up; without it, what this rank's LOCAL_RANK shows."""
+    gpus = gpu_count()
+    if not gpus:
+        return 1
+    here = _env_int("LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in os.environ else 0
+    return max(1, -(-max(here, env.local_rank + 1) // gpus))
+
+
+def resolve_backend(requested: str | None, env: LaunchEnv) -> str:
+    """The process group's backend: ``--distributed-backend`` (None: NCCL on GPUs, gloo on
+    CPU), refused in one line where it cannot work. gloo carries CUDA tensors (all-reduce and
+    broadcast on the device; ``mpu/comm.py`` runs everything else with those or through host
+    memory), so with gloo several ranks may share one GPU; NCCL refuses that."""
+    gpus = gpu_count()
+    chosen = requested or ("nccl" if gpus else "gloo")
+    if chosen == "nccl" and not gpus:
+        raise ConfigError("--distributed-backend nccl needs CUDA GPUs and this machine has "
+                          "none: use --distributed-backend gloo, or leave the flag out")
+    sharing = ranks_per_gpu(env)
+    if chosen == "nccl" and sharing > 1:
+        raise ConfigError(f"NCCL cannot run two ranks on one GPU ({sharing} ranks per GPU on "
+                          f"this node's {gpus} GPU(s)): launch at most {gpus} rank(s) per "
+                          "node, or pass --distributed-backend gloo to share GPUs (slow; for "
+                          "tests)")
+    return chosen
 
 
 def device(local_rank: int = 0) -> torch.device:
+    """This rank's device: GPU ``local_rank`` modulo the GPUs (ranks outnumbering them share
+    them, over gloo), or the CPU."""
     if accelerator_available():
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", local_rank % gpu_count())
     return torch.device("cpu")
 
 
@@ -225,10 +257,11 @@ def _status_bytes(field: str) -> int:
 
 
 def memory_capacity(env: LaunchEnv) -> int:
-    """Bytes one rank can hold: its GPU's memory, or on CPU this machine's memory shared by
-    the ranks on it."""
+    """Bytes one rank can hold: its GPU's memory (shared by the ranks on that GPU), or on
+    CPU this machine's memory shared by the ranks on it."""
     if accelerator_available():
-        return torch.cuda.get_device_properties(env.local_rank).total_memory
+        gpu = device(env.local_rank)
+        return torch.cuda.get_device_properties(gpu).total_memory // ranks_per_gpu(env)
     shared = env.launched and "LOCAL_WORLD_SIZE" in os.environ
     ranks_here = _env_int("LOCAL_WORLD_SIZE", 1) if shared else 1
     return host_memory_bytes() // ranks_here
@@ -246,17 +279,19 @@ def describe(dev: torch.device) -> str:
     return f"CPU x{os.cpu_count()} threads={torch.get_num_threads()} (torch {torch.__version__})"
 
 
-def init_process_group(env: LaunchEnv, timeout_minutes: float = 10.0) -> dist.Store:
+def init_process_group(env: LaunchEnv, timeout_minutes: float = 10.0,
+                       backend: str | None = None) -> dist.Store:
     """Join the job's process group and return its key-value store (the launcher's, under
     torchrun), through which a failing rank tells the others to stop. A plain one-process run
     gets a private in-memory store, so the code path (groups, collectives) is the same as under
-    torchrun. ``timeout_minutes`` bounds every collective (--distributed-timeout-minutes)."""
+    torchrun. ``timeout_minutes`` bounds every collective (--distributed-timeout-minutes);
+    ``backend`` is ``resolve_backend``'s answer (None: the device's default)."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not env.launched:
         store = dist.HashStore()
     else:
         store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
                                            timeout=timeout))
-    dist.init_process_group(backend(), store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=timeout)
+    dist.init_process_group(backend or resolve_backend(None, env), store=store,
+                            rank=env.rank, world_size=env.world_size, timeout=timeout)
     return store

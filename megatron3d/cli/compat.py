@@ -73,8 +73,6 @@ TABLE: tuple[CompatFlag, ...] = (
     *_notice("--overlap-p2p-communication", "always on: each pipeline transfer is waited "
              "for only by the computation that needs it (on NCCL each is posted alone, each "
              "direction of a link on its own communicator)"),
-    *_notice("--distributed-backend", "NCCL on GPUs and gloo on CPU are picked by the device",
-             nargs=1),
     *_notice("--DDP-impl", "data parallelism is megatron3d's own: bucketed gradient reduction "
              "overlapped with backward", nargs=1),
     *_notice("--use-flash-attn", "attention runs through torch's scaled_dot_product_attention, "

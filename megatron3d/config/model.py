@@ -122,6 +122,10 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(
         1, "Pipeline-parallel size (PP).", range=AT_LEAST_ONE)
     zero_stage: int = option(0, "ZeRO stage for data parallelism (0, 1 or 3).")
+    distributed_backend: Literal["nccl", "gloo"] | None = option(
+        None, "Collective backend: nccl (GPUs, one rank per GPU) or gloo (CPUs; on GPUs it "
+        "lets several ranks share one GPU, slowly: for tests). Default: nccl where there are "
+        "GPUs, else gloo.")
     pp_partition_method: str = option(
         "parameters", "Pipeline partitioning: uniform, parameters or type:REGEX.")
     reduce_bucket_size: int = option(

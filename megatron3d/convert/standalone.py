@@ -36,8 +36,10 @@ class LoadedModel:
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids -> [b, s, vocabulary] logits (padding columns dropped)."""
-        out = self.model(tokens)  # [s, b, Vpad]
+        """[b, s] token ids (on any device) -> [b, s, vocabulary] logits (padding columns
+        dropped), on the model's device."""
+        device = next(self.model.parameters()).device
+        out = self.model(tokens.to(device))  # [s, b, Vpad]
         return out.transpose(0, 1)[..., : self.config.model.vocab_size].float()
 
 

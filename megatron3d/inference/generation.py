@@ -62,7 +62,7 @@ def generate(loaded: LoadedModel, prompt: Sequence[int], max_new_tokens: int | N
     tokens = torch.tensor([list(prompt)], dtype=torch.long)  # [1, s]
     new: list[int] = []
     for _ in range(budget):
-        last = loaded.logits(tokens)[0, -1]  # [V]
+        last = loaded.logits(tokens)[0, -1].cpu()  # [V], where the generator draws
         token = _pick(last, sampling, generator)
         if token == eod:
             break

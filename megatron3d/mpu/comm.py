@@ -60,7 +60,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron3d.mpu import traffic
+from megatron3d.mpu import host_staging, traffic
 from megatron3d.mpu.state import AxisGroup
 
 SUM = dist.ReduceOp.SUM
@@ -106,7 +106,11 @@ def all_gather(t: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
     src = t.movedim(dim, 0).contiguous()  # [d, ...rest]
     out = torch.empty((axis.size * src.shape[0], *src.shape[1:]), dtype=t.dtype,
                       device=t.device)  # [size * d, ...rest]
-    _all_gather_single(out, src, group=axis.group)
+    if _gloo_on_device(t, axis):  # this rank's rows among zeros, summed: the gathered values
+        out.zero_()[axis.rank * src.shape[0]:(axis.rank + 1) * src.shape[0]].copy_(src)
+        dist.all_reduce(out, group=axis.group)
+    else:
+        _all_gather_single(out, src, group=axis.group)
     if dim == 0:
         return out
     # Gathered along a moved-to-front dim: put (size, d) back at dim, then merge them.
@@ -126,9 +130,15 @@ def reduce_scatter(t: torch.Tensor, axis: AxisGroup, dim: int,
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} does not divide "
                          f"by axis size {axis.size}")
     src = t.movedim(dim, 0).contiguous()  # [d, ...rest]
-    out = torch.empty((src.shape[0] // axis.size, *src.shape[1:]), dtype=t.dtype,
-                      device=t.device)  # [d/size, ...rest]
-    _reduce_scatter_single(out, src, op=op, group=axis.group)
+    rows = src.shape[0] // axis.size
+    if _gloo_on_device(t, axis):  # the whole sum, then this rank's rows (``t`` untouched)
+        summed = src.clone()
+        dist.all_reduce(summed, op=op, group=axis.group)
+        out = summed[axis.rank * rows:(axis.rank + 1) * rows].clone()
+    else:
+        out = torch.empty((rows, *src.shape[1:]), dtype=t.dtype,
+                          device=t.device)  # [d/size, ...rest]
+        _reduce_scatter_single(out, src, op=op, group=axis.group)
     return out.movedim(0, dim)
 
 
@@ -188,6 +198,12 @@ def start_all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
         out[(axis.rank + 1) * n:].zero_()
         return dist.all_reduce(out, group=axis.group, async_op=True)
     return _all_gather_single(out, t, group=axis.group, async_op=True)
+
+
+def _gloo_on_device(t: torch.Tensor, axis: AxisGroup) -> bool:
+    """gloo runs only all-reduce and broadcast on tensors outside host memory (CUDA tensors,
+    when several ranks share a GPU over gloo): other collectives are built from those."""
+    return t.device.type != "cpu" and dist.get_backend(axis.group) == "gloo"
 
 
 def _in_place(axis: AxisGroup) -> bool:
@@ -255,6 +271,8 @@ def start_exchange(sends: list[tuple], recvs: list[tuple],
     docstring for how each backend posts.
     This is the only point-to-point path, and transfers between two ranks in one direction
     are posted in the order given, so messages between two ranks always travel in order."""
+    if host_staging.needed(sends, recvs, axis):  # gloo sends only host memory
+        return host_staging.start(sends, recvs, lambda s, r: start_exchange(s, r, axis))
     transfers = ([(True, t.contiguous(), i, tag) for t, i, *tag in sends]
                  + [(False, t, i, tag) for t, i, *tag in recvs])
     for sending, t, i, tag in transfers:

@@ -96,10 +96,12 @@ def _resume_from_async_save(directory: str, layout: tuple[str, ...]) -> dict:
     return {"continuous": continuous, "saving": saving, "resumed": resumed}
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("layout", [("--zero-stage", "1"),
                                     ("--pipeline-model-parallel-size", "2")],
                          ids=["dp2-zero1", "pp2"])
 def test_resume_from_an_async_save_is_bitwise_exact(tmp_path, layout):
+    """On a GPU the save's state goes through pinned host memory (``device.host_buffer``)."""
     per_rank = run_distributed(_resume_from_async_save, 2, str(tmp_path / "ckpt"), layout,
                                timeout_s=300)
     runs = {k: merge_ranks([r[k] for r in per_rank]) for k in per_rank[0]}

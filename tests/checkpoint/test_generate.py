@@ -15,6 +15,7 @@ import torch
 from megatron3d.convert.standalone import load_model
 from megatron3d.errors import ConfigError
 from megatron3d.inference.generation import Sampling, generate, resolve_tokenizer
+from tests.helpers.device import rank_device
 from tests.helpers.tools import load_tool, tool_logging
 
 generate_tool = load_tool("generate.py")
@@ -80,6 +81,19 @@ def test_sampling_is_reproducible_per_seed_and_not_greedy(checkpoint, capsys):
     assert generate(loaded, PROMPT, 8, sampling=Sampling(top_k=1)) == greedy
     hot = Sampling(top_k=20, temperature=2.0, seed=3)
     assert generate(loaded, PROMPT, 8, sampling=hot) == generate(loaded, PROMPT, 8, sampling=hot)
+
+
+@pytest.mark.cuda
+def test_generation_on_the_test_device_equals_the_cpu(checkpoint):
+    """The checkpoint (trained on the test device, its 8 ranks sharing it) loaded there
+    generates the CPU's greedy tokens, and samples reproducibly per seed."""
+    device = rank_device()
+    here, cpu = load_model(checkpoint, device=device), load_model(checkpoint)
+    assert next(here.model.parameters()).device == device
+    for prompt in (PROMPT, VARIED):
+        assert generate(here, prompt, 8) == generate(cpu, prompt, 8)
+    hot = Sampling(top_k=20, temperature=2.0, seed=3)
+    assert generate(here, PROMPT, 8, sampling=hot) == generate(here, PROMPT, 8, sampling=hot)
 
 
 def test_stops_at_eod_and_fills_the_context_by_default(checkpoint):

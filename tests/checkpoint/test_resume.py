@@ -132,6 +132,7 @@ def _save_then_load(directory: str, saving: tuple[str, ...],
     return continuous, train(_reshard_argv(*loading, "--load", directory, *STOP_AT_8))
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize(("saving", "loading"), [(ZERO3_TP2_DP2, ZERO1_DP4),
                                                  (ZERO1_DP4, ZERO3_TP2_DP2)],
                          ids=["zero3-tp2-dp2-to-zero1-dp4", "zero1-dp4-to-zero3-tp2-dp2"])

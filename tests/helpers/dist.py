@@ -40,11 +40,11 @@ class RankError(RuntimeError):
         self.rank, self.exc_type, self.traceback_text = rank, exc_type, traceback_text
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any],
+def _worker(rank: int, world_size: int, init_file: str, backend: str, fn: Callable[..., Any],
             args: tuple, kwargs: dict, replies: Any) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
         result = pickle.dumps(fn(*args, **kwargs))
     except BaseException as exc:  # anything, even SystemExit, goes to the parent
@@ -102,8 +102,9 @@ def _context() -> Any:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout_s: float = 120.0, **kwargs: Any) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
+                    timeout_s: float = 120.0, backend: str = "gloo", **kwargs: Any) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks (gloo unless ``backend`` says
+    nccl: one GPU per rank); return results by rank.
 
     Raises ``RankError`` (rank number and traceback) when any rank raises, and
     ``TimeoutError`` when the ranks are not all done within ``timeout_s``; in every case all
@@ -114,7 +115,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     init_file = os.path.join(tmpdir, "store")
     replies = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=False, name=f"m3d-rank{rank}",
-                         args=(rank, world_size, init_file, fn, args, kwargs, replies))
+                         args=(rank, world_size, init_file, backend, fn, args, kwargs,
+                               replies))
              for rank in range(world_size)]
     try:
         for proc in procs:

@@ -19,6 +19,7 @@ from megatron3d.training.build import Overrides, build_trainer
 from megatron3d.training.evaluate import evaluate
 from megatron3d.training.loop import Trainer
 from megatron3d.validation import validate
+from tests.helpers.device import rank_device
 
 
 @dataclass
@@ -43,7 +44,7 @@ def build(argv: list[str], overrides: Overrides | None = None, *,
     given = overrides or Overrides()
     if hooks:
         given = dataclasses.replace(given, hooks=dataclasses.replace(given.hooks, **hooks))
-    return build_trainer(cfg, state, torch.device("cpu"), overrides=given), state
+    return build_trainer(cfg, state, rank_device(), overrides=given), state
 
 
 def train(argv: list[str], *, directed_links: bool | None = None) -> RunResult:
@@ -59,7 +60,8 @@ def train(argv: list[str], *, directed_links: bool | None = None) -> RunResult:
     params = {}
 
     def grab(group: list) -> None:  # under ZeRO-3, one gathered unit at a time
-        params.update((get_meta(p).name, gather_logical(p, state.tp).clone()) for p in group)
+        params.update((get_meta(p).name, gather_logical(p, state.tp).to("cpu", copy=True))
+                      for p in group)
 
     trainer.model.data_parallel.materialize(grab)
     eval_loss = evaluate(trainer.model.engine, trainer.data.valid, 1, state.dp)

@@ -18,6 +18,7 @@ from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import AxisGroup
+from tests.helpers.device import rank_device
 from tests.helpers.tiny import train_argv
 
 transformers = pytest.importorskip("transformers")
@@ -36,14 +37,15 @@ CASES = {
 }
 
 
-def _ours(case: tuple[str, ...]) -> tuple[ModelConfig, torch.nn.Module]:
+def _ours(case: tuple[str, ...], device: torch.device | None = None,
+          dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, torch.nn.Module]:
     flavour, *extra = case
     argv = train_argv(flavour.removesuffix("-tied"), 1, "--seq-length", "24", "--vocab-size",
                       "203", *extra)
     if flavour.endswith("-tied"):
         argv.remove("--untie-embeddings-and-output-weights")
     cfg = parse_args(argv).model
-    model = build_gpt(LayerContext(cfg, AxisGroup.single(), 1234)).eval()
+    model = build_gpt(LayerContext(cfg, AxisGroup.single(), 1234, dtype, device)).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -55,7 +57,8 @@ def _logical(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for p in model.parameters():
         meta = get_meta(p)
-        out[meta.name] = p.detach()[: meta.logical_rows] if meta.logical_rows else p.detach()
+        out[meta.name] = (p.detach()[: meta.logical_rows] if meta.logical_rows
+                          else p.detach()).float()
     return out
 
 
@@ -72,17 +75,48 @@ def _theirs(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> torch.nn.Modu
     return model
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_logits_equal_transformers(case):
-    cfg, ours = _ours(case)
-    theirs = _theirs(cfg, _logical(ours))
+def _logits(cfg: ModelConfig, ours: torch.nn.Module, theirs: torch.nn.Module,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ours, theirs) logits [b, s, V] of one batch of random tokens, in fp32."""
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
-                           generator=torch.Generator().manual_seed(1))
+                           generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         expected = theirs(tokens).logits  # [b, s, V]
         actual = ours(tokens).transpose(0, 1)[..., : cfg.vocab_size]  # [s, b, Vpad] -> [b, s, V]
+    return actual.float(), expected.float()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_logits_equal_transformers(case):
+    device = rank_device()
+    cfg, ours = _ours(case, device)
+    theirs = _theirs(cfg, _logical(ours)).to(device)
+    actual, expected = _logits(cfg, ours, theirs, device)
     assert expected.abs().max() > 1.0  # random weights give logits well away from zero
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [CASES["gpt2"], CASES["llama, 8 heads in 2 groups"]],
+                         ids=["gpt2", "llama-gqa"])
+def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(case):
+    """In bf16 neither model gives the fp32 logits; ours (built in bf16, as --bf16 builds it)
+    must be no further from them than transformers' model cast to bf16 is, within 2x."""
+    device = rank_device()
+    cfg, ours = _ours(case, device)
+    weights = _logical(ours)
+    reference, _ = _logits(cfg, ours, _theirs(cfg, weights).to(device), device)
+    _, ours_bf16 = _ours(case, device, torch.bfloat16)
+    with torch.no_grad():
+        for p, q in zip(ours_bf16.parameters(), ours.parameters(), strict=True):
+            p.copy_(q)
+    theirs_bf16 = _theirs(cfg, weights).to(device, torch.bfloat16)
+    actual, expected = _logits(cfg, ours_bf16, theirs_bf16, device)
+    ours_error = (actual - reference).abs().max().item()
+    their_error = (expected - reference).abs().max().item()
+    assert 0 < their_error < 0.1 * reference.abs().max().item()  # bf16 indeed, and sane
+    assert ours_error <= 2 * their_error, (ours_error, their_error)
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())

@@ -18,13 +18,15 @@ from megatron3d.mpu.layers import ColumnParallelLinear, RowParallelLinear, Vocab
 from megatron3d.mpu.random import BLOCK_NUMEL, seeded_normal
 from megatron3d.mpu.sharding import tp_shard
 from megatron3d.mpu.state import AxisGroup
+from tests.helpers.device import rank_device
 
 SEED, STD, NAME = 1234, 0.02, "w"
 H, WIDE = 96, 9600  # [9600, 96]: 682 rows of 96 in a block, 15 blocks; 9600 = 8 * 1200
 VOCAB, PADDED = 8003, 8064  # 8064 = 4 ranks * 2016 rows: rank 3's rows 6048.. are 1955 real
 SHORT_VOCAB = 6000  # rank 3 of 4 holds only padding rows
 
-Build = Callable[[AxisGroup], nn.Module]
+Build = Callable[..., nn.Module]  # (tp, device=None) -> layer
+CPU = torch.device("cpu")
 
 
 def _group(rank: int, size: int) -> AxisGroup:
@@ -32,45 +34,52 @@ def _group(rank: int, size: int) -> AxisGroup:
 
 
 def _column(stride: int, dtype: torch.dtype = torch.float32) -> Build:
-    return lambda tp: ColumnParallelLinear(H, WIDE, tp=tp, name=NAME, seed=SEED, init_std=STD,
-                                           stride=stride, params_dtype=dtype)
+    return lambda tp, device=None: ColumnParallelLinear(
+        H, WIDE, tp=tp, name=NAME, seed=SEED, init_std=STD, stride=stride, params_dtype=dtype,
+        device=device)
 
 
-def _row(tp: AxisGroup) -> nn.Module:
-    return RowParallelLinear(WIDE, H, tp=tp, name=NAME, seed=SEED, init_std=STD)
+def _row(tp: AxisGroup, device: torch.device | None = None) -> nn.Module:
+    return RowParallelLinear(WIDE, H, tp=tp, name=NAME, seed=SEED, init_std=STD, device=device)
 
 
 def _embedding(logical: int) -> Build:
-    return lambda tp: VocabParallelEmbedding(PADDED, H, tp=tp, name=NAME, seed=SEED,
-                                             init_std=STD, logical_vocab_size=logical)
+    return lambda tp, device=None: VocabParallelEmbedding(
+        PADDED, H, tp=tp, name=NAME, seed=SEED, init_std=STD, logical_vocab_size=logical,
+        device=device)
 
 
 def _padded(logical: torch.Tensor) -> torch.Tensor:
-    full = torch.zeros(PADDED, H)
+    full = torch.zeros(PADDED, H, device=logical.device)
     full[:logical.shape[0]] = logical
     return full
 
 
 CASES = {  # build, split dim, stride, the single process's full tensor (as the layer holds it)
-    "column dim 0": (_column(1), 0, 1, lambda: seeded_normal((WIDE, H), STD, SEED, "w.weight")),
-    "row dim 1": (_row, 1, 1, lambda: seeded_normal((H, WIDE), STD, SEED, "w.weight", dim=1)),
+    "column dim 0": (_column(1), 0, 1,
+                     lambda d=CPU: seeded_normal((WIDE, H), STD, SEED, "w.weight", d)),
+    "row dim 1": (_row, 1, 1,
+                  lambda d=CPU: seeded_normal((H, WIDE), STD, SEED, "w.weight", d, dim=1)),
     "column stride 2": (_column(2), 0, 2,
-                        lambda: seeded_normal((WIDE, H), STD, SEED, "w.weight")),
-    "padded vocabulary": (_embedding(VOCAB), 0, 1,
-                          lambda: _padded(seeded_normal((VOCAB, H), STD, SEED, "w.weight"))),
-    "vocabulary shard of padding": (_embedding(SHORT_VOCAB), 0, 1, lambda: _padded(
-        seeded_normal((SHORT_VOCAB, H), STD, SEED, "w.weight"))),
+                        lambda d=CPU: seeded_normal((WIDE, H), STD, SEED, "w.weight", d)),
+    "padded vocabulary": (_embedding(VOCAB), 0, 1, lambda d=CPU: _padded(
+        seeded_normal((VOCAB, H), STD, SEED, "w.weight", d))),
+    "vocabulary shard of padding": (_embedding(SHORT_VOCAB), 0, 1, lambda d=CPU: _padded(
+        seeded_normal((SHORT_VOCAB, H), STD, SEED, "w.weight", d))),
 }
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_each_rank_draws_its_slice_of_the_single_process_weight(case, tp):
     build, dim, stride, full = CASES[case]
-    single = build(AxisGroup.single()).weight.detach()
-    assert torch.equal(single, full())  # what the single process holds: the logical tensor
+    device = rank_device()
+    single = build(AxisGroup.single(), device).weight.detach()
+    assert single.device == device
+    assert torch.equal(single, full(device))  # what one process holds: the logical tensor
     for rank in range(tp):
-        mine = build(_group(rank, tp)).weight.detach()
+        mine = build(_group(rank, tp), device).weight.detach()
         assert torch.equal(mine, tp_shard(single, dim, rank, tp, stride)), f"rank {rank}"
 
 
@@ -84,9 +93,11 @@ def test_the_padded_vocabulary_size_never_changes_a_value(padded):
     assert not table[VOCAB:].any()
 
 
+@pytest.mark.cuda
 def test_low_precision_weights_are_the_rounded_fp32_values():
-    single = _column(1)(AxisGroup.single()).weight.detach()
-    mine = _column(1, torch.bfloat16)(_group(1, 4)).weight.detach()
+    device = rank_device()
+    single = _column(1)(AxisGroup.single(), device).weight.detach()
+    mine = _column(1, torch.bfloat16)(_group(1, 4), device).weight.detach()
     assert mine.dtype == torch.bfloat16
     assert torch.equal(mine, tp_shard(single, 0, 1, 4).to(torch.bfloat16))
 

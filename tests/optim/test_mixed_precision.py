@@ -10,16 +10,17 @@ from torch import nn
 from megatron3d.config import OptimizerConfig, PrecisionConfig
 from megatron3d.mpu.meta import ParamMeta, set_meta
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+from tests.helpers.device import rank_device
 from tests.helpers.flat import whole
 
 
 class Tiny(nn.Module):
-    def __init__(self, dtype=torch.float32):
+    def __init__(self, dtype=torch.float32, device=None):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.weight = set_meta(nn.Parameter(torch.randn(8, 4, generator=g).to(dtype)),
+        self.weight = set_meta(nn.Parameter(torch.randn(8, 4, generator=g).to(device, dtype)),
                                ParamMeta(name="weight"))
-        self.bias = set_meta(nn.Parameter(torch.randn(8, generator=g).to(dtype)),
+        self.bias = set_meta(nn.Parameter(torch.randn(8, generator=g).to(device, dtype)),
                              ParamMeta(name="bias", no_weight_decay=True))
 
     def forward(self, x):
@@ -33,15 +34,17 @@ def _optimizer(model, clip=1.0, **precision):
                                    norm_axes=[])
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_fp32_matches_torch_adamw_with_clipping(clip):
-    ours, ref = Tiny(), Tiny()
+    device = rank_device()
+    ours, ref = Tiny(device=device), Tiny(device=device)
     opt = _optimizer(ours, clip=clip)
     ref_opt = torch.optim.AdamW([{"params": [ref.weight], "weight_decay": 0.1},
                                  {"params": [ref.bias], "weight_decay": 0.0}], lr=0.01)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
-        xs = [torch.randn(5, 4, generator=g) for _ in range(3)]
+        xs = [torch.randn(5, 4, generator=g).to(device) for _ in range(3)]
         opt.zero_grad()
         for x in xs:
             (ours(x) / 3).backward()
@@ -110,12 +113,15 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     assert stats.skipped.item() == 0.0 and not torch.equal(opt.shard.flat_params, before)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_non_finite_grad_norm_skips_the_step_bitwise(dtype, bad):
-    model = Tiny(dtype)
+    """The fused AdamW skips on the device (``found_inf``): nothing moves, Adam's step too."""
+    device = rank_device()
+    model = Tiny(dtype, device)
     opt = _optimizer(model, bf16=dtype == torch.bfloat16)
-    x = torch.ones(2, 4, dtype=dtype)
+    x = torch.ones(2, 4, dtype=dtype, device=device)
     model(x).backward()
     opt.step(lr=0.01)
     before = {"params": opt.shard.flat_params.clone(), **opt.local_state()}
