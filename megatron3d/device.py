@@ -7,6 +7,7 @@ runs on CPU with gloo (tests, laptops) and on GPUs with NCCL (clusters).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import resource
@@ -237,9 +238,17 @@ def reset_peak_memory(dev: torch.device) -> int:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         return torch.cuda.memory_allocated(dev)
+    _trim_heap()
     with contextlib.suppress(OSError):  # not Linux: the peak is the process's since start
         Path("/proc/self/clear_refs").write_text("5")
     return _status_bytes("VmRSS")
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``), so a
+    window starts from what is live, not from what an earlier phase freed but kept."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def peak_memory(dev: torch.device) -> int:
