@@ -3,7 +3,9 @@
 Why one module: the group is always explicit (an ``AxisGroup``), a size-1 axis returns without
 touching torch.distributed (so single-process code needs no process group), torch API drift is
 absorbed in one place, and every collective is shown to the observers of ``traffic.py``
-(counters in tests and benchmarks, recorders), which live outside the parallel state.
+(counters in tests and benchmarks, recorders), which live outside the parallel state: when it
+is issued, and once posted with the backend's own work (before any wrapper of ours), or as a
+blocking call that returned.
 
 Reductions and broadcast work in place on the given tensor and return it (like torch);
 callers that must not modify their input clone first.
@@ -44,6 +46,7 @@ def all_reduce(t: torch.Tensor, axis: AxisGroup, op: dist.ReduceOp = SUM) -> tor
         return t
     _check(axis, "all_reduce", t)
     dist.all_reduce(t, op=op, group=axis.group)
+    traffic.returned()
     return t
 
 
@@ -64,6 +67,7 @@ def all_gather(t: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
     out = torch.empty((axis.size * src.shape[0], *src.shape[1:]), dtype=t.dtype,
                       device=t.device)  # [size * d, ...rest]
     _all_gather_single(out, src, group=axis.group)
+    traffic.returned()
     if dim == 0:
         return out
     # Gathered along a moved-to-front dim: put (size, d) back at dim, then merge them.
@@ -86,6 +90,7 @@ def reduce_scatter(t: torch.Tensor, axis: AxisGroup, dim: int,
     out = torch.empty((src.shape[0] // axis.size, *src.shape[1:]), dtype=t.dtype,
                       device=t.device)  # [d/size, ...rest]
     _reduce_scatter_single(out, src, op=op, group=axis.group)
+    traffic.returned()
     return out.movedim(0, dim)
 
 
@@ -96,7 +101,7 @@ def start_all_reduce(t: torch.Tensor, axis: AxisGroup, tag: object = None) -> di
     if axis.size == 1:
         return None
     _check(axis, "all_reduce", t, tag=tag)
-    return dist.all_reduce(t, group=axis.group, async_op=True)
+    return _posted(dist.all_reduce(t, group=axis.group, async_op=True))
 
 
 def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
@@ -110,10 +115,10 @@ def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
     _check(axis, "reduce_scatter", t, tag=tag)
     if _in_place(axis):
         chunk = t[axis.rank * out.numel():(axis.rank + 1) * out.numel()]
-        work = dist.all_reduce(t, group=axis.group, async_op=True)
+        work = _posted(dist.all_reduce(t, group=axis.group, async_op=True))
         return work if out.data_ptr() == chunk.data_ptr() else _Then(work,
                                                                     lambda: out.copy_(chunk))
-    return _reduce_scatter_single(out, t, group=axis.group, async_op=True)
+    return _posted(_reduce_scatter_single(out, t, group=axis.group, async_op=True))
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
@@ -141,8 +146,14 @@ def start_all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
             mine.copy_(t)
         out[:axis.rank * n].zero_()
         out[(axis.rank + 1) * n:].zero_()
-        return dist.all_reduce(out, group=axis.group, async_op=True)
-    return _all_gather_single(out, t, group=axis.group, async_op=True)
+        return _posted(dist.all_reduce(out, group=axis.group, async_op=True))
+    return _posted(_all_gather_single(out, t, group=axis.group, async_op=True))
+
+
+def _posted(work: dist.Work) -> dist.Work:
+    """Show the observers the work of the operation just posted; return it."""
+    traffic.posted((work,))
+    return work
 
 
 def _in_place(axis: AxisGroup) -> bool:
@@ -170,6 +181,7 @@ def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
         return t
     _check(axis, "broadcast", t)
     dist.broadcast(t, src=axis.ranks[src_index], group=axis.group)
+    traffic.returned()
     return t
 
 
@@ -223,8 +235,10 @@ def start_exchange(sends: list[tuple], recvs: list[tuple],
         return []
     works = dist.batch_isend_irecv(ops)
     if len(works) == 1:
+        traffic.posted(works * len(ops))
         return [_Shared(works[0])] * len(ops)
     assert len(works) == len(ops), f"{len(works)} works for {len(ops)} transfers"
+    traffic.posted(works)
     return works
 
 
@@ -243,3 +257,4 @@ def barrier(axis: AxisGroup) -> None:
     if axis.size > 1:
         _check(axis, "barrier", torch.empty(0))
         dist.barrier(group=axis.group)
+        traffic.returned()
