@@ -4,8 +4,8 @@ and which of them completed.
 It is attached twice: as a ``traffic`` observer it sees every collective and point-to-point
 operation ``mpu/comm.py`` issues, and as a pipeline-engine observer it knows which schedule
 instruction (and so which micro-batch) is running. Recording appends one tuple to a bounded
-deque and touches no tensor data (shape and dtype are metadata), so it costs about a
-microsecond per operation and never syncs with the device; everything is formatted only
+deque and touches no tensor data (shape and dtype are metadata), so it costs a few
+microseconds per operation and never syncs with the device; everything is formatted only
 when a dump is written.
 
 Completion: on a GPU the host runs ahead of the device, so the operations issued say little
@@ -66,11 +66,11 @@ class FlightRecorder:
         self.ops: collections.deque[Op] = collections.deque(maxlen=max(size, 1))
         self.iteration = 0  # set by whoever drives the steps (the watchdog's heartbeat)
         self._marker = marker
-        # Completion, by seq: issued and not yet posted (the call is running, or raised), and
-        # posted but not seen done (-> what answers whether it is done now). Any other seq in
-        # the ring is done. Written by the main thread, read and pruned by the poller: each
-        # step is one atomic list/dict operation, in an order that never shows a false done.
-        self._unposted: list[int] = []
+        # seq -> whether it is done now, for every operation in the ring not seen done: from
+        # its issue (_unposted: its call is running, or raised) until posted (its work's
+        # is_completed, or a stream mark) and polled done. Each update is one dict operation,
+        # atomic for the poller thread; the poller only removes entries that answered True,
+        # which an operation still being posted never does.
         self._pending: dict[int, Callable[[], bool]] = {}
         self._seq = 0
         self._counts: dict[tuple, int] = {}
@@ -89,23 +89,24 @@ class FlightRecorder:
         self.ops.append(Op(self._seq, time.time(), kind, axis.name, axis.ranks, group_seq, peer,
                            tuple(tensor.shape), tensor.dtype, self.iteration,
                            self._program_count, pos, instruction, tag))
-        self._unposted.append(self._seq)
+        self._pending[self._seq] = _unposted
         self._seq += 1
 
     def posted(self, works: Sequence[Any]) -> None:
-        """The last ``len(works)`` operations were posted: keep each one's work (None: a
-        blocking call that returned). Earlier unposted ones stay so: their call raised."""
-        seqs = self._unposted[-len(works):]
-        for seq, work in zip(reversed(seqs), reversed(works), strict=False):
+        """The last ``len(works)`` operations were posted (comm posts right after telling):
+        keep each one's work; None is a blocking call that returned, done unless a stream
+        mark must tell. An operation whose call raised stays unposted: not done."""
+        pending, seq = self._pending, self._seq - len(works)
+        for work in works:
             if work is not None:
-                self._pending[seq] = work.is_completed
+                pending[seq] = work.is_completed
             elif self._marker is not None:
-                self._pending[seq] = self._marker()
-        del self._unposted[-len(works):]
-        oldest = self._seq - self.ops.maxlen  # older ones left the ring: never dumped again
-        if self._unposted and self._unposted[0] < oldest:
-            self._unposted = [s for s in self._unposted if s >= oldest]
-        if len(self._pending) > 2 * self.ops.maxlen:  # nobody polls (a test, a benchmark)
+                pending[seq] = self._marker()
+            else:
+                del pending[seq]
+            seq += 1
+        if len(pending) > 2 * self.ops.maxlen:  # nobody polls (a test, a benchmark)
+            oldest = self._seq - self.ops.maxlen
             self._drop(lambda seq, _: seq < oldest)
 
     def poll(self) -> None:
@@ -138,9 +139,8 @@ class FlightRecorder:
         polls first (safe to call from another thread)."""
         self.poll()
         ops = list(self.ops)
-        unposted = set(self._unposted)  # before pending: posted() fills it before emptying this
         pending = set(self._pending)
-        return [_as_dict(op, op.seq not in unposted and op.seq not in pending) for op in ops]
+        return [_as_dict(op, op.seq not in pending) for op in ops]
 
 
 def describe_instruction(instruction: Instruction | None) -> str:
@@ -154,6 +154,11 @@ def describe_instruction(instruction: Instruction | None) -> str:
                  f"{_work(mb, chunk)}" for name, mb, chunk in instruction.transfers()]
         return "X(" + ", ".join(parts) + ")"
     return "-"
+
+
+def _unposted() -> bool:
+    """An operation whose call has not returned (or raised) is not done."""
+    return False
 
 
 def _done(done: Callable[[], bool]) -> bool:
