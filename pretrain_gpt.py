@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = devices.set_device(env.local_rank)
     store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes, backend)
     board = FailureBoard(store, env.rank)
-    recorder = FlightRecorder(cfg.resilience.flight_recorder_size)
+    recorder = FlightRecorder(cfg.resilience.flight_recorder_size, devices.stream_marker(dev))
     with traffic.observing(recorder):
         state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                     cfg.parallel.pipeline_model_parallel_size)

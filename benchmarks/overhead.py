@@ -81,6 +81,9 @@ def _argv(a: argparse.Namespace, dp: int = 1, pp: int = 1) -> list[str]:
             "--attention-dropout", "0", *(["--bf16"] if a.bf16 else [])]
 
 
+RETURNED = (None,)
+
+
 def _with_and_without_recorder(a: argparse.Namespace) -> dict[str, float]:
     """One rank: alternate blocks of plain steps and steps under recorder + watchdog."""
     state = ParallelState.build(1, 2)
@@ -123,8 +126,9 @@ def _with_and_without_recorder(a: argparse.Namespace) -> dict[str, float]:
     probe = FlightRecorder(1024)
     x = torch.zeros(16, 4, 8)
     start = time.perf_counter()
-    for _ in range(20_000):
+    for _ in range(20_000):  # as comm tells it a blocking collective: issued, then returned
         probe("all_reduce", x, state.dp)
+        probe.posted(RETURNED)
     per_op = (time.perf_counter() - start) / 20_000
     return {"off": statistics.median(times["off"]), "on": statistics.median(times["on"]),
             "ops": ops_per_step, "per_op": per_op}

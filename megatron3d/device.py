@@ -11,7 +11,7 @@ import ctypes
 import datetime
 import os
 import resource
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -136,6 +136,48 @@ def synchronize(dev: torch.device) -> None:
     """Wait for queued kernels; only called at log boundaries and in benchmarks."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def stream_marker(dev: torch.device) -> Callable[[], Callable[[], bool]] | None:
+    """For a device whose host runs ahead (CUDA: a collective call returns once queued), a
+    function that marks the current stream now and returns whether the device has passed the
+    mark (an event and its query, which never waits); None on CPU, where a call that returned
+    is done."""
+    if dev.type != "cuda":
+        return None
+
+    def mark() -> Callable[[], bool]:
+        event = torch.cuda.Event()
+        event.record()
+        return event.query
+
+    return mark
+
+
+def backend_trace_writer(dump_dir: Path, rank: int) -> Callable[[], Path] | None:
+    """torch's own flight recorder of NCCL collectives, for dumping beside the hang dumps: a
+    function that writes its trace where torch writes it on a collective timeout
+    ($TORCH_FR_DUMP_TEMP_FILE or $TORCH_NCCL_DEBUG_INFO_TEMP_FILE, then the rank; by default
+    DUMP_DIR/nccl_trace_rank_RANK), so that `torchfrtrace` reads both kinds alike. None unless
+    the process group runs NCCL and this torch can dump the trace."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return None
+    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_nccl_trace", None)
+    if dump is None:
+        return None
+    prefix = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+              or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+              or str(dump_dir / "nccl_trace_rank_"))
+    path = Path(prefix + str(rank))
+
+    def write() -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(dump())
+        tmp.replace(path)  # whole or absent, as the hang dumps
+        return path
+
+    return write
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

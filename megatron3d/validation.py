@@ -315,12 +315,19 @@ def _check_zero(cfg: TrainConfig) -> None:
 
 
 def _check_watchdog(cfg: TrainConfig) -> None:
-    """The watchdog must fire before the backend's own timeout, or no dump is ever written."""
+    """The watchdog must fire before the backend's own timeout, or no dump is ever written:
+    every budget given (unset ones default below it) under --distributed-timeout-minutes."""
     resilience = cfg.resilience
+    if resilience.hang_timeout == 0:  # the watchdog never fires
+        return
     limit = resilience.distributed_timeout_minutes * 60
-    if resilience.hang_timeout >= limit:
-        raise _error("the hang watchdog would fire after the process group times out",
-                     {"hang_timeout": resilience.hang_timeout,
-                      "distributed_timeout_minutes": resilience.distributed_timeout_minutes},
-                     f"give --hang-timeout below {limit} seconds or raise "
-                     "--distributed-timeout-minutes")
+    budgets = [f.name for f in dataclasses.fields(resilience)
+               if f.name.startswith("hang_") and f.name.endswith("_timeout")]
+    for name in budgets:  # --hang-timeout (steps) first, then the phases' in field order
+        seconds = getattr(resilience, name)
+        if seconds is not None and seconds >= limit:
+            raise _error("the hang watchdog would fire after the process group times out",
+                         {name: seconds,
+                          "distributed_timeout_minutes": resilience.distributed_timeout_minutes},
+                         f"give {flag(name)} below {limit} seconds or raise "
+                         "--distributed-timeout-minutes")

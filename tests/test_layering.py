@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     # line and the planner share it
     "accounting": {"mpu", "pipeline", "optim", "zero", "model", "config", "device", "errors"},
     # stalls and rank failures: the watchdog, flight recorder, hang dumps and reports
-    "resilience": {"mpu", "pipeline", "config", "log", "errors"},
+    "resilience": {"mpu", "pipeline", "config", "device", "log", "errors"},
     # validation asks the owners of rules: the rank grid, the batch and learning-rate
     # schedules, the data split and tokenizer, the pipeline schedules and the partitioner (on
     # the model's layer list).

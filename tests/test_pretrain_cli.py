@@ -129,6 +129,21 @@ def test_non_finite_or_absurd_numbers_exit_2(monkeypatch, capsys, flags, named):
     assert named in _one_error_line(capsys)
 
 
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--hang-load-timeout", "900"], "--hang-load-timeout=900.0, --distributed-timeout-minutes=10"),
+    (["--hang-startup-timeout", "1800", "--distributed-timeout-minutes", "20"],
+     "--hang-startup-timeout=1800.0, --distributed-timeout-minutes=20"),
+])
+def test_a_watchdog_budget_over_the_process_group_timeout_exits_2(monkeypatch, capsys, flags,
+                                                                  named):
+    """The backend would abort first and no hang dump would be written: refused at start."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(pretrain_gpt.devices, "init_process_group", _must_not_start)
+    assert pretrain_gpt.main(train_argv("gpt2", 10, *flags)) == 2
+    line = _one_error_line(capsys)
+    assert named in line and "or raise --distributed-timeout-minutes" in line, line
+
+
 def _must_not_start(*_args: object, **_kwargs: object) -> None:
     raise AssertionError("bad input must stop before the process group starts")
 

@@ -284,6 +284,28 @@ def test_setup_hook_runs_before_the_launch(bins: dict[str, Path], tmp_path: Path
     assert done.returncode == 2 and "SETUP_HOOK=" in done.stderr and "missing.sh" in done.stderr
 
 
+@pytest.mark.parametrize(("hook", "hang_dir"), [
+    ("", "{checkpoints}/hang"),
+    ("TRAIN_ARGS+=(--hang-dump-dir=/elsewhere/hang)", "/elsewhere/hang"),
+], ids=["default", "--hang-dump-dir"])
+def test_torch_flight_recorder_writes_beside_the_hang_dumps(bins: dict[str, Path],
+                                                             tmp_path: Path, hook: str,
+                                                             hang_dir: str) -> None:
+    """Every worker gets torch's NCCL flight recorder on, dumping into the hang dump folder
+    (the variables are read as the workers inherit them: at the dry run's exit)."""
+    exported = ("trap 'for v in ${!TORCH_NCCL_*}; do [[ $(declare -p $v) == \"declare -x\"* ]] "
+                "&& echo \"$v=${!v}\" >&2; done' EXIT")
+    (tmp_path / "hook.sh").write_text(f"{hook}\n{exported}\n")
+    done = dry_run(bins["no-scontrol"], SLURM_DIR / "pretrain_gpt.slurm", "g1", 1,
+                   HOME=str(tmp_path), SETUP_HOOK=str(tmp_path / "hook.sh"))
+    assert done.returncode == 0, done.stderr
+    checkpoints = tmp_path / "scratch" / "megatron3d" / "pretrain_gpt" / "checkpoints"
+    env = dict(line.split("=", 1) for line in done.stderr.splitlines())
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE":
+                   hang_dir.format(checkpoints=checkpoints) + "/nccl_trace_rank_"}, done.stderr
+
+
 @pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=[p.name for p in SLURM_SCRIPTS])
 def test_flags_are_valid_for_the_allocation(bins: dict[str, Path], tmp_path: Path,
                                             script: Path) -> None:

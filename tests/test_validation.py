@@ -187,6 +187,27 @@ BAD = {
     "pool smaller than prefetch": ({"zero3_prefetch_depth": 2, "zero3_max_live_units": 2,
                                     "zero_stage": 3}, 1,
                                    ["--zero3-max-live-units=2", ">= 3"]),
+    # every watchdog budget below the process group's timeout (10 minutes by default)
+    "step budget at the timeout": ({"hang_timeout": 600.0}, 1,
+                                   ["--hang-timeout=600.0, --distributed-timeout-minutes=10",
+                                    "below 600 seconds"]),
+    "start-up budget over the timeout": ({"hang_startup_timeout": 1800.0}, 1,
+                                         ["--hang-startup-timeout=1800.0, "
+                                          "--distributed-timeout-minutes=10"]),
+    "index budget over the timeout": ({"hang_index_timeout": 3600.0,
+                                       "distributed_timeout_minutes": 30}, 1,
+                                      ["--hang-index-timeout=3600.0, "
+                                       "--distributed-timeout-minutes=30", "below 1800 seconds"]),
+    "load budget over the timeout": ({"hang_load_timeout": 900.0}, 1,
+                                     ["--hang-load-timeout=900.0"]),
+    "first step budget over the timeout": ({"hang_first_step_timeout": 700.0}, 1,
+                                           ["--hang-first-step-timeout=700.0"]),
+    "save budget over the timeout": ({"hang_save_timeout": 601.0}, 1,
+                                     ["--hang-save-timeout=601.0"]),
+    "evaluation budget over the timeout": ({"hang_eval_timeout": 1e4}, 1,
+                                           ["--hang-eval-timeout=10000.0"]),
+    "zero save budget": ({"hang_save_timeout": 0.0}, 1, ["--hang-save-timeout=0.0",
+                                                          "greater than 0"]),
 }
 
 
@@ -244,7 +265,20 @@ GOOD = {
                                 "micro_batch_size": 2**20, "ffn_hidden_size": 2**20,
                                 "max_position_embeddings": 2**20}, 1),
     "regex partition": ({"pp_partition_method": "type:transformer|embedding"}, 1),
+    "long start-up under a long timeout": ({"hang_startup_timeout": 1800.0,
+                                            "hang_load_timeout": 3500.0,
+                                            "distributed_timeout_minutes": 60}, 1),
+    "budgets unused without the watchdog": ({"hang_timeout": 0.0,
+                                             "hang_load_timeout": 5000.0}, 1),
 }
+
+
+def test_unset_budgets_fall_back_to_start_up_then_below_the_timeout():
+    """--hang-startup-timeout is every phase's default; unset, 90% of the group's timeout."""
+    r = make(hang_startup_timeout=120.0, hang_load_timeout=400.0).resilience
+    assert [r.budget(p) for p in ("index", "load", "first_step", "save", "eval")] == [
+        120.0, 400.0, 120.0, 120.0, 120.0]
+    assert make(distributed_timeout_minutes=30).resilience.budget("save") == 1620.0
 
 
 @pytest.mark.parametrize(("overrides", "world_size"), GOOD.values(), ids=GOOD.keys())

@@ -113,9 +113,25 @@ class ResilienceConfig:
         300.0, "Seconds without a finished step after which every rank writes a hang dump "
         "(stacks, recent collectives, coordinates) and exits non-zero; 0 disables the watchdog.",
         range=NON_NEGATIVE)
-    hang_startup_timeout: float = option(
-        1800.0, "The watchdog's allowance during start-up, checkpoint load and save, "
-        "evaluation, and until the first step finishes.", range=NON_NEGATIVE)
+    hang_startup_timeout: float | None = option(
+        None, "The watchdog's allowance for each phase longer than a step whose own flag is "
+        "not given: dataset index building, checkpoint load, the first step, checkpoint "
+        "saves, evaluation. Default: 90% of --distributed-timeout-minutes.", range=POSITIVE)
+    hang_index_timeout: float | None = option(
+        None, "Allowance for building (or reading) the datasets' index caches at start-up; "
+        "default --hang-startup-timeout.", range=POSITIVE)
+    hang_load_timeout: float | None = option(
+        None, "Allowance for loading the checkpoint in --load; default "
+        "--hang-startup-timeout.", range=POSITIVE)
+    hang_first_step_timeout: float | None = option(
+        None, "Allowance for the rest of start-up (process groups, model, optimizer) and the "
+        "first step, each stretch between index building and load counted afresh; default "
+        "--hang-startup-timeout.", range=POSITIVE)
+    hang_save_timeout: float | None = option(
+        None, "Allowance for each checkpoint save (with --async-save: waiting for the one "
+        "before); default --hang-startup-timeout.", range=POSITIVE)
+    hang_eval_timeout: float | None = option(
+        None, "Allowance for each evaluation; default --hang-startup-timeout.", range=POSITIVE)
     hang_dump_dir: str | None = option(
         None, "Directory for hang dumps (rank-XXXXX.txt); default SAVE/hang, or ./hang "
         "without --save. SIGUSR2 writes a dump there without stopping the run.")
@@ -123,10 +139,19 @@ class ResilienceConfig:
         2048, "Collective and point-to-point operations each rank remembers for hang dumps.",
         range=Range(0, 2**24))
     distributed_timeout_minutes: int = option(
-        10, "Timeout of every collective in the process group; keep it above --hang-timeout "
-        "so the watchdog reports a hang before the backend aborts.",
+        10, "Timeout of every collective in the process group; every --hang-*-timeout must "
+        "be below it, so the watchdog reports a hang before the backend aborts.",
         range=Range(1, 7 * 24 * 60))  # a week
     check_for_nan_in_loss_and_grad: bool = option(
         False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
         "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "
         "on every rank and counted in 'number of nan iterations'.")
+
+    def budget(self, phase: str) -> float:
+        """Seconds the watchdog allows ``phase`` (index, load, first_step, save, eval or
+        startup): its own ``--hang-PHASE-timeout``, else --hang-startup-timeout, else 90%
+        of the process-group timeout."""
+        for given in (getattr(self, f"hang_{phase}_timeout"), self.hang_startup_timeout):
+            if given is not None:
+                return given
+        return float(self.distributed_timeout_minutes * 54)  # 90% of its seconds

@@ -3,7 +3,9 @@
 Why one module: the group is always explicit (an ``AxisGroup``), a size-1 axis returns without
 touching torch.distributed (so single-process code needs no process group), torch API drift is
 absorbed in one place, and every collective is shown to the observers of ``traffic.py``
-(counters in tests and benchmarks, recorders), which live outside the parallel state.
+(counters in tests and benchmarks, recorders), which live outside the parallel state: when it
+is issued, and once posted with the backend's own work (before any wrapper of ours), or as a
+blocking call that returned.
 
 Reductions and broadcast work in place on the given tensor and return it (like torch);
 callers that must not modify their input clone first.
@@ -87,6 +89,7 @@ def all_reduce(t: torch.Tensor, axis: AxisGroup, op: dist.ReduceOp = SUM) -> tor
         return t
     _check(axis, "all_reduce", t)
     dist.all_reduce(t, op=op, group=axis.group)
+    traffic.returned()
     return t
 
 
@@ -111,6 +114,7 @@ def all_gather(t: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
         dist.all_reduce(out, group=axis.group)
     else:
         _all_gather_single(out, src, group=axis.group)
+    traffic.returned()
     if dim == 0:
         return out
     # Gathered along a moved-to-front dim: put (size, d) back at dim, then merge them.
@@ -139,6 +143,7 @@ def reduce_scatter(t: torch.Tensor, axis: AxisGroup, dim: int,
         out = torch.empty((rows, *src.shape[1:]), dtype=t.dtype,
                           device=t.device)  # [d/size, ...rest]
         _reduce_scatter_single(out, src, op=op, group=axis.group)
+    traffic.returned()
     return out.movedim(0, dim)
 
 
@@ -151,7 +156,7 @@ def start_all_reduce(t: torch.Tensor, axis: AxisGroup, tag: object = None,
     if axis.size == 1:
         return None
     _check(axis, "all_reduce", t, tag=tag)
-    return dist.all_reduce(t, op=op, group=axis.group, async_op=True)
+    return _posted(dist.all_reduce(t, op=op, group=axis.group, async_op=True))
 
 
 def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
@@ -165,10 +170,10 @@ def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
     _check(axis, "reduce_scatter", t, tag=tag)
     if _in_place(axis):
         chunk = t[axis.rank * out.numel():(axis.rank + 1) * out.numel()]
-        work = dist.all_reduce(t, group=axis.group, async_op=True)
+        work = _posted(dist.all_reduce(t, group=axis.group, async_op=True))
         return work if out.data_ptr() == chunk.data_ptr() else _Then(work,
                                                                     lambda: out.copy_(chunk))
-    return _reduce_scatter_single(out, t, group=axis.group, async_op=True)
+    return _posted(_reduce_scatter_single(out, t, group=axis.group, async_op=True))
 
 
 def all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
@@ -196,8 +201,14 @@ def start_all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
             mine.copy_(t)
         out[:axis.rank * n].zero_()
         out[(axis.rank + 1) * n:].zero_()
-        return dist.all_reduce(out, group=axis.group, async_op=True)
-    return _all_gather_single(out, t, group=axis.group, async_op=True)
+        return _posted(dist.all_reduce(out, group=axis.group, async_op=True))
+    return _posted(_all_gather_single(out, t, group=axis.group, async_op=True))
+
+
+def _posted(work: dist.Work) -> dist.Work:
+    """Show the observers the work of the operation just posted; return it."""
+    traffic.posted((work,))
+    return work
 
 
 def _gloo_on_device(t: torch.Tensor, axis: AxisGroup) -> bool:
@@ -231,6 +242,7 @@ def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
         return t
     _check(axis, "broadcast", t)
     dist.broadcast(t, src=axis.ranks[src_index], group=axis.group)
+    traffic.returned()
     return t
 
 
@@ -285,8 +297,10 @@ def start_exchange(sends: list[tuple], recvs: list[tuple],
         dist.P2POp(dist.isend if sending else dist.irecv, t, axis.ranks[i], group=axis.group)
         for sending, t, i, _ in transfers])
     if len(works) == 1:
+        traffic.posted(works * len(transfers))
         return [_Shared(works[0])] * len(transfers)
     assert len(works) == len(transfers), f"{len(works)} works for {len(transfers)} transfers"
+    traffic.posted(works)
     return works
 
 
@@ -313,7 +327,9 @@ def _one_by_one(transfers: list[tuple], axis: AxisGroup) -> list[Work]:
         post = dist.isend if sending else dist.irecv
         lower = link_of(axis.rank, i, sending)[2]
         works[k] = post(t, axis.ranks[i], group=axis.reverse if lower else axis.group)
-    return [works[k] for k in range(len(transfers))]
+    ordered = [works[k] for k in range(len(transfers))]
+    traffic.posted(ordered)  # in the order the transfers were notified
+    return ordered
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], axis: AxisGroup) -> None:
@@ -331,3 +347,4 @@ def barrier(axis: AxisGroup) -> None:
     if axis.size > 1:
         _check(axis, "barrier", torch.empty(0))
         dist.barrier(group=axis.group)
+        traffic.returned()

@@ -4,13 +4,20 @@ Kept apart from the parallel-state objects: an ``AxisGroup`` says who talks, not
 ``with observing(counter):`` attaches an observer for a block (a test, a benchmark's measured
 steps); with none attached, ``notify`` is one empty-tuple check per collective. Like a
 logger's handlers, the attached observers are process-wide.
+
+Each operation is told twice: ``notify`` before it is posted (a call that blocks, such as a
+collective waiting for a frozen peer, has then been seen), and ``posted`` once the call
+returned, with what tells when it is done: the backend's work, or None for a blocking call
+(done on the host; on a GPU only queued behind the current stream). Only observers that
+define ``posted`` (a flight recorder) are told the second time; they keep the work, never
+wait on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,23 +31,43 @@ receive (else None), the caller's tag (e.g. which ZeRO unit or micro-batch), or 
 each operation issued."""
 
 _observers: tuple[Observer, ...] = ()
+_completion: tuple[Callable[[Sequence[object]], None], ...] = ()  # attached ``posted`` methods
+_RETURNED = (None,)
 
 
 @contextlib.contextmanager
 def observing(observer: Observer) -> Iterator[Observer]:
-    """Call ``observer`` for every collective issued inside the block."""
-    global _observers  # noqa: PLW0603 - the registry of attached observers, like log handlers
+    """Call ``observer`` for every collective issued inside the block (and its ``posted``
+    method, if it has one, once each is posted)."""
+    global _observers, _completion  # noqa: PLW0603 - the registry, like log handlers
+    completion = getattr(observer, "posted", None)
     _observers = (*_observers, observer)
+    _completion = (*_completion, completion) if completion is not None else _completion
     try:
         yield observer
     finally:
         _observers = tuple(o for o in _observers if o is not observer)
+        _completion = tuple(c for c in _completion if c != completion)
 
 
 def notify(kind: str, tensor: torch.Tensor, axis: AxisGroup, peer: int | None = None,
            tag: object = None) -> None:
+    """An operation is about to be posted."""
     for observer in _observers:
         observer(kind, tensor, axis, peer, tag)
+
+
+def posted(works: Sequence[object]) -> None:
+    """The last ``len(works)`` operations notified were posted: each one's work (which has
+    ``is_completed()``), in the order notified."""
+    for observer in _completion:
+        observer(works)
+
+
+def returned() -> None:
+    """The operation just notified was a blocking call, and it returned."""
+    for observer in _completion:
+        observer(_RETURNED)
 
 
 class CommCounter:

@@ -1,11 +1,20 @@
-"""The communication flight recorder: the last N operations this rank issued, for hang dumps.
+"""The communication flight recorder: the last N operations this rank issued, for hang dumps,
+and which of them completed.
 
 It is attached twice: as a ``traffic`` observer it sees every collective and point-to-point
 operation ``mpu/comm.py`` issues, and as a pipeline-engine observer it knows which schedule
 instruction (and so which micro-batch) is running. Recording appends one tuple to a bounded
-deque and touches no tensor data (shape and dtype are metadata), so it costs about a
-microsecond per operation and never syncs with the device; everything is formatted only
+deque and touches no tensor data (shape and dtype are metadata), so it costs a few
+microseconds per operation and never syncs with the device; everything is formatted only
 when a dump is written.
+
+Completion: on a GPU the host runs ahead of the device, so the operations issued say little
+about where a rank is stuck. When an operation is posted (``traffic.posted``) the recorder
+keeps what tells when it is done: the backend's work, or for a blocking call a marker on the
+current stream (``device.stream_marker``: on a GPU the call returned once queued; on CPU it
+is done). Nothing is asked on the hot path: ``poll()``, run by the watchdog thread a few
+times a second and before a dump, asks each pending one ``is_completed()`` (a query, never a
+wait) and lets go of those done, since a work holds its tensors alive.
 
 Sequence numbers are what make dumps of different ranks comparable: collectives are numbered
 per process group (every member issues the same sequence), sends and receives per (group,
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -46,11 +56,22 @@ class Op(NamedTuple):
 
 
 class FlightRecorder:
-    """Ring buffer of ``Op``; call it as a traffic observer, give it to the engine too."""
+    """Ring buffer of ``Op``; call it as a traffic observer, give it to the engine too.
 
-    def __init__(self, size: int) -> None:
+    ``marker``: for a device whose host runs ahead, makes a check that turns true once the
+    current stream passes this point (``device.stream_marker``); None where a blocking call
+    that returned is done (CPU)."""
+
+    def __init__(self, size: int, marker: Callable[[], Callable[[], bool]] | None = None) -> None:
         self.ops: collections.deque[Op] = collections.deque(maxlen=max(size, 1))
         self.iteration = 0  # set by whoever drives the steps (the watchdog's heartbeat)
+        self._marker = marker
+        # seq -> whether it is done now, for every operation in the ring not seen done: from
+        # its issue (_unposted: its call is running, or raised) until posted (its work's
+        # is_completed, or a stream mark) and polled done. Each update is one dict operation,
+        # atomic for the poller thread; the poller only removes entries that answered True,
+        # which an operation still being posted never does.
+        self._pending: dict[int, Callable[[], bool]] = {}
         self._seq = 0
         self._counts: dict[tuple, int] = {}
         self._program_count = 0
@@ -68,7 +89,36 @@ class FlightRecorder:
         self.ops.append(Op(self._seq, time.time(), kind, axis.name, axis.ranks, group_seq, peer,
                            tuple(tensor.shape), tensor.dtype, self.iteration,
                            self._program_count, pos, instruction, tag))
+        self._pending[self._seq] = _unposted
         self._seq += 1
+
+    def posted(self, works: Sequence[Any]) -> None:
+        """The last ``len(works)`` operations were posted (comm posts right after telling):
+        keep each one's work; None is a blocking call that returned, done unless a stream
+        mark must tell. An operation whose call raised stays unposted: not done."""
+        pending, seq = self._pending, self._seq - len(works)
+        for work in works:
+            if work is not None:
+                pending[seq] = work.is_completed
+            elif self._marker is not None:
+                pending[seq] = self._marker()
+            else:
+                del pending[seq]
+            seq += 1
+        if len(pending) > 2 * self.ops.maxlen:  # nobody polls (a test, a benchmark)
+            oldest = self._seq - self.ops.maxlen
+            self._drop(lambda seq, _: seq < oldest)
+
+    def poll(self) -> None:
+        """Ask every pending operation whether it is done, and let go of the done ones (and
+        of those that left the ring). Any thread."""
+        oldest = self._seq - self.ops.maxlen
+        self._drop(lambda seq, done: seq < oldest or _done(done))
+
+    def _drop(self, drop: Callable[[int, Callable[[], bool]], bool]) -> None:
+        for seq, done in list(self._pending.items()):  # a copy: the main thread adds more
+            if drop(seq, done):
+                self._pending.pop(seq, None)
 
     # -- pipeline engine observer -----------------------------------------------------------
     def begin(self, program: list[Instruction]) -> None:
@@ -85,8 +135,12 @@ class FlightRecorder:
 
     # -- dumps ------------------------------------------------------------------------------
     def snapshot(self) -> list[dict[str, Any]]:
-        """The buffer as JSON-ready dicts, oldest first (safe to call from another thread)."""
-        return [_as_dict(op) for op in list(self.ops)]
+        """The buffer as JSON-ready dicts, oldest first, each saying whether it completed;
+        polls first (safe to call from another thread)."""
+        self.poll()
+        ops = list(self.ops)
+        pending = set(self._pending)
+        return [_as_dict(op, op.seq not in pending) for op in ops]
 
 
 def describe_instruction(instruction: Instruction | None) -> str:
@@ -102,15 +156,28 @@ def describe_instruction(instruction: Instruction | None) -> str:
     return "-"
 
 
+def _unposted() -> bool:
+    """An operation whose call has not returned (or raised) is not done."""
+    return False
+
+
+def _done(done: Callable[[], bool]) -> bool:
+    """Whether a pending operation finished; a failed one (the query raises) did not."""
+    try:
+        return bool(done())
+    except RuntimeError:
+        return False
+
+
 def _work(mb: int, chunk: int) -> str:
     return f"{mb}@{chunk}" if chunk else str(mb)
 
 
-def _as_dict(op: Op) -> dict[str, Any]:
+def _as_dict(op: Op, completed: bool) -> dict[str, Any]:
     return {"seq": op.seq, "time": op.time, "kind": op.kind, "group": op.group,
             "ranks": list(op.ranks), "group_seq": op.group_seq, "peer": op.peer,
             "shape": list(op.shape), "dtype": str(op.dtype).removeprefix("torch."),
             "iteration": op.iteration, "program": op.program, "step": op.step,
-            "instruction": describe_instruction(op.instruction),
+            "instruction": describe_instruction(op.instruction), "completed": completed,
             "tag": None if op.tag is None else list(op.tag) if isinstance(op.tag, tuple)
             else str(op.tag)}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 DATA_MARKER = "== data =="
-FORMAT = 1
+FORMAT = 2  # 2: each operation says whether it completed
 
 
 def dump_path(directory: Path, rank: int) -> Path:
@@ -39,7 +39,8 @@ def write_dump(path: Path, header: dict[str, Any], ops: list[dict[str, Any]]) ->
                 f"(tp {c['tp']}, pp {c['pp']}, dp {c['dp']}) on {data['host']} pid "
                 f"{data['pid']}\nreason: {header['reason']}\n"
                 f"last finished iteration: {header['iteration']}, phase: {header['phase']}\n")
-        f.write(f"== last {len(ops)} operations, oldest first ==\n")
+        f.write(f"== last {len(ops)} operations, oldest first (NOT COMPLETED: issued, not "
+                "done when the dump was written) ==\n")
         f.writelines(format_op(op) + "\n" for op in ops)
         f.write("== python stacks ==\n")
         f.flush()
@@ -67,13 +68,13 @@ def read_dump(path: Path) -> dict[str, Any]:
 
 
 # What hang_report reads, with the JSON types it expects.
-_INT, _NUM, _TEXT, _LIST = (int,), (int, float), (str,), (list,)
+_INT, _NUM, _TEXT, _LIST, _BOOL = (int,), (int, float), (str,), (list,), (bool,)
 _FIELDS = {"rank": _INT, "world_size": _INT, "job": _TEXT, "written": _NUM, "ops": _LIST,
            "sizes": (dict,), "coords": (dict,), "iteration": _INT, "main_stack": _LIST}
 _OP_FIELDS = {"seq": _INT, "kind": _TEXT, "group": _TEXT, "ranks": _LIST, "group_seq": _INT,
               "peer": (int, type(None)), "shape": _LIST, "dtype": _TEXT,
               "iteration": _INT, "program": _INT, "step": (int, type(None)),
-              "instruction": _TEXT, "tag": (list, str, type(None))}
+              "instruction": _TEXT, "tag": (list, str, type(None)), "completed": _BOOL}
 
 
 def _wrong(data: Any, fields: dict[str, tuple[type, ...]]) -> str | None:
@@ -81,22 +82,25 @@ def _wrong(data: Any, fields: dict[str, tuple[type, ...]]) -> str | None:
     if not isinstance(data, dict):
         return f"is a JSON {type(data).__name__}, not an object"
     for key, types in fields.items():
-        if not isinstance(data.get(key), types) or isinstance(data.get(key), bool):
+        value = data.get(key)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             return f"field {key!r} is missing or not {types[0].__name__}"
     return None
 
 
 def format_op(op: dict[str, Any]) -> str:
     """One operation as a line: seq, kind, group and its sequence number, peer, tensor,
-    and what it served (iteration, program step, instruction, tag)."""
+    what it served (iteration, program step, instruction, tag), and whether it is still not
+    completed."""
     where = f"{op['group']}#{op['group_seq']}"
     if op["peer"] is not None:
         where += f" {'to' if op['kind'] == 'send' else 'from'} rank {op['peer']}"
     tag = "" if op["tag"] is None else " " + "".join(str(t) for t in op["tag"])
     served = ("outside the pipeline program" if op["step"] is None else
               f"program {op['program']} step {op['step']} {op['instruction']}")
+    state = "" if op["completed"] else " | NOT COMPLETED"
     return (f"  [{op['seq']}] {op['kind']} {where} ranks {_ranks(op['ranks'])} "
-            f"{op['shape']} {op['dtype']} | iteration {op['iteration']}, {served}{tag}")
+            f"{op['shape']} {op['dtype']} | iteration {op['iteration']}, {served}{tag}{state}")
 
 
 def _ranks(ranks: list[int]) -> str:

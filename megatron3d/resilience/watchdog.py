@@ -2,11 +2,15 @@
 
 A hung collective blocks the main thread inside C code, where Python signal handlers and
 timers cannot run; so the watchdog is its own thread. If no step finishes within the
-allowance (``--hang-timeout`` between steps; ``--hang-startup-timeout`` during start-up,
-checkpoint load and save, evaluation and until the first step), it writes this rank's dump
-(``hang_dump.py``), waits a few seconds so that the other ranks, whose watchdogs fire at about
-the same moment, can write theirs before connections drop, then exits the process with
-``HANG_EXIT_CODE`` so the launcher tears the job down.
+allowance (``--hang-timeout`` between steps; each phase in ``PHASES`` its own, e.g.
+``--hang-load-timeout``), it writes this rank's dump (``hang_dump.py``) and, on NCCL, torch's
+own flight-recorder trace beside it, waits a few seconds so that the other ranks, whose
+watchdogs fire at about the same moment, can write theirs before connections drop, then exits
+the process with ``HANG_EXIT_CODE`` so the launcher tears the job down. Every allowance is
+below the process group's timeout (``validation.py``), so the watchdog fires first.
+
+The thread also polls the flight recorder a few times a second: which posted operations
+completed (off the training thread, and it lets go of their works).
 
 SIGUSR2 writes the same dump without stopping. Python runs signal handlers only on the main
 thread, which may be the blocked one, so the signal reaches this thread through
@@ -24,9 +28,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+from megatron3d import device as devices
 from megatron3d.config import TrainConfig
 from megatron3d.log import get_logger
 from megatron3d.mpu.state import ParallelState
@@ -39,8 +44,12 @@ logger = get_logger(__name__)
 HANG_EXIT_CODE = 3
 DUMP_SIGNAL = signal.SIGUSR2
 EXIT_GRACE_S = 5.0  # after dumping, before exiting: the peers' watchdogs fire meanwhile
-_POLL_S = 1.0
+_POLL_S = 0.1  # a completed work is let go of (its tensors freed) at most this late
 _BOARD_POLL_S = 3.0  # one store lookup per rank this often: cheap for the store's host
+STARTUP = "start-up (until the first step finishes)"
+PHASES = {  # what may take longer than a step -> its allowance, ResilienceConfig.budget's name
+    STARTUP: "first_step", "dataset index building": "index", "checkpoint load": "load",
+    "checkpoint save": "save", "evaluation": "eval"}
 
 
 class Watchdog:
@@ -49,17 +58,19 @@ class Watchdog:
 
     def __init__(self, recorder: FlightRecorder, dump_dir: Path, rank: int,
                  sizes: dict[str, int], coords: dict[str, int], timeout: float,
-                 startup_timeout: float, board: FailureBoard | None = None) -> None:
+                 budgets: Mapping[str, float], board: FailureBoard | None = None,
+                 trace: Callable[[], Path] | None = None) -> None:
         """``sizes``/``coords``: the (tp, pp, dp) layout and this rank's place in it;
-        ``board``: where a failing peer posts, checked every few seconds."""
+        ``budgets``: seconds for each of ``PHASES``; ``board``: where a failing peer posts,
+        checked every few seconds; ``trace``: writes the backend's own trace beside a dump."""
         self.recorder = recorder
         self.path = dump_path(dump_dir, rank)
         self.rank, self.sizes, self.coords = rank, sizes, coords
-        self.timeout, self.startup_timeout = timeout, startup_timeout
+        self.timeout, self.budgets = timeout, {phase: budgets[phase] for phase in PHASES}
+        self.trace = trace
         self.iteration = 0  # last finished step
-        self.phase = "start-up (until the first step finishes)"
-        self._deadline = time.monotonic() + startup_timeout
-        self._allowance = startup_timeout
+        self.phase = STARTUP
+        self._limit = _limit(STARTUP, self.budgets[STARTUP])
         self._stepped = False
         self.fired = False  # a hang dump was written: later dumps must not replace it
         self._stop = threading.Event()
@@ -72,11 +83,12 @@ class Watchdog:
     def for_run(cls, cfg: TrainConfig, state: ParallelState,
                 recorder: FlightRecorder, board: FailureBoard | None = None) -> Watchdog:
         r = cfg.resilience
-        return cls(recorder, default_dump_dir(r.hang_dump_dir, cfg.checkpoint.save),
-                   state.world_rank,
+        directory = default_dump_dir(r.hang_dump_dir, cfg.checkpoint.save)
+        return cls(recorder, directory, state.world_rank,
                    {"tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size},
                    {"tp": state.tp.rank, "pp": state.pp.rank, "dp": state.dp.rank},
-                   r.hang_timeout, r.hang_startup_timeout, board)
+                   r.hang_timeout, {phase: r.budget(name) for phase, name in PHASES.items()},
+                   board, devices.backend_trace_writer(directory, state.world_rank))
 
     # -- main thread ------------------------------------------------------------------------
     def start(self) -> Watchdog:
@@ -116,30 +128,39 @@ class Watchdog:
         self.recorder.iteration = iteration + 1
         self._stepped = True
         self.phase = "training"
-        self._allowance = self.timeout
-        self._deadline = time.monotonic() + self.timeout
+        self._limit = _limit("training", self.timeout)
 
     @contextlib.contextmanager
     def allowance(self, phase: str) -> Iterator[None]:
-        """Work that may legitimately take longer than a step (save, evaluation)."""
+        """Work that may legitimately take longer than a step: one of ``PHASES``, with its own
+        budget. Afterwards the step's (before the first step, start-up's) counts afresh, but
+        never ends before the phase's would have: a rank done early then waits in a
+        collective for the peers still in that phase (a slower load, a bigger index)."""
         previous = self.phase
-        self.phase, self._allowance = phase, self.startup_timeout
-        self._deadline = time.monotonic() + self.startup_timeout
+        self.phase = phase
+        self._limit = within_phase = _limit(phase, self.budgets[phase])
         try:
             yield
         finally:
             self.phase = previous
-            self._allowance = self.timeout if self._stepped else self.startup_timeout
-            self._deadline = time.monotonic() + self._allowance
+            after = (_limit("training", self.timeout) if self._stepped
+                     else _limit(STARTUP, self.budgets[STARTUP]))
+            self._limit = max(within_phase, after)
 
     def dump(self, reason: str) -> Path:
-        """Write this rank's dump now (any thread)."""
+        """Write this rank's dump now, and the backend's trace beside it (any thread)."""
         write_dump(self.path, {
             "reason": reason, "rank": self.rank, "world_size": math.prod(self.sizes.values()),
             "sizes": self.sizes, "coords": self.coords, "iteration": self.iteration,
             "phase": self.phase,
             "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", ""),
         }, self.recorder.snapshot())
+        if self.trace is not None:
+            try:
+                logger.info("rank %d wrote the backend's trace to %s", self.rank, self.trace())
+            except (RuntimeError, OSError) as err:  # ours is written: report, never raise
+                logger.warning("rank %d could not write the backend's trace: %s", self.rank,
+                               err)
         return self.path
 
     # -- watchdog thread --------------------------------------------------------------------
@@ -148,10 +169,11 @@ class Watchdog:
         next_board_check = time.monotonic() + _BOARD_POLL_S
         while not self._stop.is_set():
             ready, _, _ = select.select([read_fd], [], [], _POLL_S)
+            self.recorder.poll()
             if ready and DUMP_SIGNAL in os.read(read_fd, 64):
                 path = self.dump(f"{DUMP_SIGNAL.name} (on request; training continues)")
                 logger.info("rank %d wrote %s on %s", self.rank, path, DUMP_SIGNAL.name)
-            if self.timeout > 0 and time.monotonic() > self._deadline and not self._stop.is_set():
+            if self.timeout > 0 and time.monotonic() > self._limit[0] and not self._stop.is_set():
                 self._fire()
             if self.board is not None and time.monotonic() > next_board_check:
                 next_board_check = time.monotonic() + _BOARD_POLL_S
@@ -159,12 +181,11 @@ class Watchdog:
                     os._exit(PEER_EXIT_CODE)  # the main thread is blocked in a collective
 
     def _fire(self) -> None:
-        waited = self._allowance
+        _, waited, flag = self._limit
         self.fired = True
-        path = self.dump(f"no progress for {waited:g} s during {self.phase} "
-                         f"(--hang-timeout / --hang-startup-timeout)")
+        path = self.dump(f"no progress for {waited:g} s during {self.phase} ({flag})")
         sys.stderr.write(f"error: rank {self.rank} {self._where()}: nothing finished for "
-                         f"{waited:g} s during {self.phase}; wrote {path}; run "
+                         f"{waited:g} s during {self.phase} ({flag}); wrote {path}; run "
                          f"tools/hang_report.py {path.parent} to see which ranks stopped "
                          f"where; exiting with code {HANG_EXIT_CODE}\n")
         sys.stderr.flush()
@@ -173,6 +194,14 @@ class Watchdog:
 
     def _where(self) -> str:
         return "(" + ", ".join(f"{k} {v}" for k, v in self.coords.items()) + ")"
+
+
+def _limit(phase: str, seconds: float) -> tuple[float, float, str]:
+    """(deadline, the allowance, its flag) for ``phase`` starting now: one tuple, swapped
+    whole, so that the watchdog thread never reads half of an update."""
+    name = PHASES.get(phase)
+    flag = "--hang-timeout" if name is None else f"--hang-{name.replace('_', '-')}-timeout"
+    return time.monotonic() + seconds, seconds, flag
 
 
 def _ignore(signum: int, frame: object) -> None:

@@ -81,7 +81,9 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     check_same_config(cfg, state.world, dev)  # before anything could hang on a mismatch
     schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
     total_iters, train_samples = run_length(cfg, schedule)
-    data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule), state.pp, dev)
+    heartbeat = given.hooks.heartbeat  # the slow start-up phases get their own allowances
+    with heartbeat.allowance("dataset index building"):
+        data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule), state.pp, dev)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                              vocab_size=data.vocab_size))
     lr_schedule = loading.resume_schedule(cfg, LRSchedule.from_config(
@@ -116,7 +118,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
 
     check_copies()
     optimizer = build_optimizer(cfg, state, data_parallel, params)
-    progress, series = _resume(cfg, state, params, optimizer, rng, directory)
+    with heartbeat.allowance("checkpoint load"):
+        progress, series = _resume(cfg, state, params, optimizer, rng, directory)
     if cfg.checkpoint.load:  # copies must agree after loading as they did at start
         check_copies()
     logger.info("model: %s parameters on this rank, %s unique parameters in total (all stages "

@@ -12,7 +12,8 @@
 #   RUN_DIR            this job's outputs (default OUTPUT_ROOT/JOB_NAME)
 #   CHECKPOINT_DIR     --save and --load (default RUN_DIR/checkpoints): a requeued job reruns
 #                      the same command and resumes from CHECKPOINT_DIR/latest (an empty dir
-#                      starts from scratch); hang dumps go to CHECKPOINT_DIR/hang
+#                      starts from scratch); hang dumps go to CHECKPOINT_DIR/hang (or to
+#                      --hang-dump-dir in TRAIN_ARGS), with torch's NCCL traces
 #   TENSORBOARD_DIR    --tensorboard-dir (default RUN_DIR/tensorboard; empty: no TensorBoard)
 #   DATA_CACHE_DIR     --data-cache-path, with --data-path (default OUTPUT_ROOT/index-cache)
 #   SETUP_HOOK         a bash file sourced before the launch, also in a dry run: `module load`,
@@ -182,7 +183,11 @@ CHECKPOINT_DIR="${CHECKPOINT_DIR:-$RUN_DIR/checkpoints}"
 TENSORBOARD_DIR="${TENSORBOARD_DIR-$RUN_DIR/tensorboard}"
 DATA_CACHE_DIR="${DATA_CACHE_DIR:-$OUTPUT_ROOT/index-cache}"
 OUTPUT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL")
+HANG_DIR=$(flag_value --hang-dump-dir "$CHECKPOINT_DIR/hang")
 OUTPUTS="checkpoints $CHECKPOINT_DIR (hang dumps in hang/)"
+if [ "$HANG_DIR" != "$CHECKPOINT_DIR/hang" ]; then
+  OUTPUTS="checkpoints $CHECKPOINT_DIR, hang dumps $HANG_DIR"
+fi
 if [ -n "$TENSORBOARD_DIR" ]; then
   OUTPUT_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
   OUTPUTS+=", tensorboard $TENSORBOARD_DIR"
@@ -202,13 +207,15 @@ export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # A failed or timed-out NCCL collective aborts the process instead of hanging; torchrun exits
 # non-zero and srun --kill-on-bad-exit ends the job rather than burning it to the time limit.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
-# PyTorch's NCCL flight recorder: each rank keeps its last collectives and, when a collective
-# times out (--distributed-timeout-minutes), writes them beside megatron3d's own hang dumps
-# (CHECKPOINT_DIR/hang, read by tools/hang_report.py); torch's `torchfrtrace -p nccl_trace_rank_
-# CHECKPOINT_DIR/hang` analyses those. Only ProcessGroupNCCL reads these, so CPU runs ignore them.
+# PyTorch's NCCL flight recorder: each rank keeps its last collectives (with their state:
+# scheduled, started, completed on the GPU) and writes them beside megatron3d's own hang dumps
+# (HANG_DIR: --hang-dump-dir, default CHECKPOINT_DIR/hang; read by tools/hang_report.py) when
+# megatron3d's watchdog fires, or when a collective times out (--distributed-timeout-minutes).
+# torch's `torchfrtrace -p nccl_trace_rank_ HANG_DIR` analyses those. Only ProcessGroupNCCL
+# reads these, so CPU runs ignore them.
 export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
 export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
-export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$CHECKPOINT_DIR/hang/nccl_trace_rank_}"
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$HANG_DIR/nccl_trace_rank_}"
 # NCCL prints warnings only; set INFO to see the chosen network, rings and trees.
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # Log lines reach the job's log as they are printed, and fatal signals print a Python stack.
@@ -288,7 +295,7 @@ fi
 if [[ " ${SRUN_ARGS[*]} " != *" --container-image"* ]]; then
   command -v torchrun >/dev/null || die "torchrun not found: activate an environment with torch"
 fi
-mkdir -p "$CHECKPOINT_DIR/hang"
+mkdir -p "$HANG_DIR"
 
 describe "launch.sh: "
 printf 'launch.sh: '

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron3d.resilience.hang_dump import read_dump
 from megatron3d.resilience.watchdog import HANG_EXIT_CODE
 from tests.helpers.launch import ROOT, Job, launch
@@ -93,8 +95,12 @@ def test_sleeping_rank_is_named(tmp_path):
     assert "main thread at faulty_run.py" in report.split(f"rank 3 {COORDS[3]}")[1], report
 
 
-def test_frozen_rank_is_named(tmp_path):
-    job = _run(tmp_path, "stop", rank=1)
+@pytest.mark.parametrize("frozen", [1, 3])
+def test_frozen_rank_is_the_only_culprit(tmp_path, frozen):
+    """SIGSTOP freezes one rank mid-step; its pipeline peer then waits on a receive from it
+    and the other ranks wait for those two in their DP all-reduces: only the frozen rank is
+    named (a rank blocked on a frozen peer waits for somebody)."""
+    job = _run(tmp_path, "stop", rank=frozen)
     pid_file = tmp_path / "pid"
     deadline = time.monotonic() + 180
     while not pid_file.exists() or not pid_file.read_text():
@@ -103,12 +109,12 @@ def test_frozen_rank_is_named(tmp_path):
     os.kill(int(pid_file.read_text()), signal.SIGSTOP)
     stopped_at = time.monotonic()
     assert job.wait(240, teardown_s=8) == HANG_EXIT_CODE
-    _check_exits(job, tmp_path, [0, 2, 3], stopped_at)
-    assert not (tmp_path / "hang" / "rank-00001.txt").exists()
+    _check_exits(job, tmp_path, [r for r in range(WORLD) if r != frozen], stopped_at)
+    assert not (tmp_path / "hang" / f"rank-{frozen:05d}.txt").exists()
     report = _report(tmp_path / "hang")
-    assert f"rank 1 {COORDS[1]}: NO DUMP" in report
-    assert _culprits(report)[0] == (f"rank 1 {COORDS[1]}: wrote no dump: frozen (e.g. SIGSTOP), "
-                                    "dead, or never started"), report
+    assert f"rank {frozen} {COORDS[frozen]}: NO DUMP" in report
+    assert _culprits(report) == [f"rank {frozen} {COORDS[frozen]}: wrote no dump: frozen (e.g. "
+                                 "SIGSTOP), dead, or never started"], report
 
 
 def test_sigusr2_dumps_and_training_continues(tmp_path):

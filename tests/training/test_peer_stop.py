@@ -91,10 +91,10 @@ def test_the_watchdog_stops_a_rank_blocked_in_a_collective_when_a_peer_fails(tmp
         import torch.distributed as dist
         from megatron3d.resilience.failure_board import FailureBoard
         from megatron3d.resilience.flight_recorder import FlightRecorder
-        from megatron3d.resilience.watchdog import Watchdog
+        from megatron3d.resilience.watchdog import PHASES, Watchdog
         board = FailureBoard(dist.FileStore({str(store_file)!r}, -1), 0)
         Watchdog(FlightRecorder(4), Path({str(tmp_path)!r}), 0, {{"tp": 1, "pp": 1, "dp": 2}},
-                 {{"tp": 0, "pp": 0, "dp": 0}}, 0.0, 0.0, board).start()
+                 {{"tp": 0, "pp": 0, "dp": 0}}, 0.0, dict.fromkeys(PHASES, 60.0), board).start()
         print("blocked", flush=True)
         os.read(os.pipe()[0], 1)
     """)
