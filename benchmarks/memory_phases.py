@@ -18,12 +18,19 @@ itself holds at the worst moment of the phase. How it is read:
 
 - on a GPU: the CUDA caching allocator's peak of allocated bytes (``max_memory_allocated``,
   reset at each phase), the figure the allocator's own out-of-memory error compares;
-- on the CPU: the process's peak resident set (Linux's ``VmHWM``, reset at each phase
-  through ``/proc/self/clear_refs``). It counts every page the process touches (torch's
-  allocations, gloo's buffers, the allocator's slack and the Python heap), not only
-  tensors, so it can only over-state the framework's memory; pages freed by glibc but kept
-  in its arenas stay counted, and so do a phase's host buffers (on a GPU machine the save's
-  snapshot is pinned host memory, outside the device figure).
+- on the CPU, two figures:
+  - tensors: the most bytes of tensor storage alive at once, every storage an operator
+    creates counted from its creation until it is freed (``accounting.activations.
+    PeakMemory``, a dispatch mode around the whole run): what the GPU allocator's figure
+    counts, without its rounding; kernels' internal scratch and gloo's buffers are not
+    tensors and are missed;
+  - RSS: the process's peak resident set (Linux's ``VmHWM``, reset at each phase through
+    ``/proc/self/clear_refs`` after the C heap's free pages are given back). It counts every
+    page the process touches (torch's allocations, gloo's buffers, the Python heap), so it
+    can only over-state the framework's memory: glibc keeps pages a step freed for the next
+    step's allocations, so the later phases carry the earlier ones' high-water mark.
+  The save's host snapshot (12 bytes per element the rank writes; pinned host memory on a GPU
+  machine) is taken out of both: the prediction, like a GPU's figure, leaves it out.
 
 Next to each, the prediction the start-up report and ``check_fits`` make for that phase
 (``accounting/peak.py``; both steps against its training step, the load against nothing: it
@@ -39,6 +46,7 @@ it writes, host memory on a GPU machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -50,6 +58,7 @@ import torch
 
 from benchmarks.common import add_model_args, spawn
 from megatron3d import device as devices
+from megatron3d.accounting.activations import PeakMemory
 from megatron3d.accounting.fit import layout_memory
 from megatron3d.checkpoint.progress import Progress
 from megatron3d.cli.arguments import parse_args
@@ -89,31 +98,43 @@ class Layout:
 
 
 class PhaseMeter:
-    """Peaks of memory in use above a baseline, phase by phase (``devices`` reads them)."""
+    """Peaks of memory in use above a baseline, phase by phase (``devices`` reads them), and
+    on the CPU the peak of tensor storage (``tensors``)."""
 
-    def __init__(self, dev: torch.device) -> None:
-        self.dev = dev
+    def __init__(self, dev: torch.device, tensors: PeakMemory | None) -> None:
+        self.dev, self.tensors = dev, tensors
         self.baseline = devices.reset_peak_memory(dev)
         self.peaks: dict[str, int] = {}
 
-    def close(self, phase: str) -> None:
-        """The phase that ran since the last close ends now; the next starts."""
-        peak = devices.peak_memory(self.dev) - self.baseline
+    def close(self, phase: str, host: int = 0) -> None:
+        """The phase that ran since the last close ends now; the next starts. ``host``:
+        bytes of host buffers the phase made, taken out of the CPU's figures."""
+        host = host if self.dev.type == "cpu" else 0
+        peak = devices.peak_memory(self.dev) - self.baseline - host
         self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
+        if self.tensors is not None:
+            key = f"{phase} tensors"
+            self.peaks[key] = max(self.peaks.get(key, 0), self.tensors.peak - host)
+            self.tensors.new_window()
         devices.reset_peak_memory(self.dev)
 
 
 class _MeteredSaver:
-    """The trainer's saver, its save measured as the "save" phase (and what ran since the
-    last step, the evaluation, closed first)."""
+    """The trainer's saver, its first save measured as the "save" phase (and what ran since
+    the last step, the evaluation, closed first). On the CPU the save's host snapshot is
+    taken out of its figures: it is host memory (pinned on a GPU machine), which the device's
+    figure and the prediction leave out."""
 
     def __init__(self, saver: Any, meter: PhaseMeter) -> None:
-        self.saver, self.meter = saver, meter
+        self.saver, self.meter, self.saved = saver, meter, False
 
     def __call__(self, progress: Progress) -> str:
+        if self.saved:  # the run's final save of the same iteration, or a later one
+            return self.saver(progress)
         self.meter.close("evaluation")
         directory = self.saver(progress)
-        self.meter.close("save")
+        self.meter.close("save", host=self.saver.host_bytes)
+        self.saved = True
         return directory
 
     def wait(self) -> None:
@@ -128,19 +149,25 @@ def phase_peaks(argv: list[str], dev: torch.device, steps: int) -> dict[str, int
     validate(cfg, torch.distributed.get_world_size())
     state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                 cfg.parallel.pipeline_model_parallel_size)
-    meter = PhaseMeter(dev)
+    with _tensors(dev) as tensors:
+        meter = PhaseMeter(dev, tensors)
 
-    def on_step(iteration: int, _result: object) -> None:
-        meter.close("first step" if iteration == 1 else "steady step")
+        def on_step(iteration: int, _result: object) -> None:
+            meter.close("first step" if iteration == 1 else "steady step")
 
-    trainer = build_trainer(cfg, state, dev, overrides=Overrides(
-        hooks=Hooks(on_step=on_step), save=lambda saver: _MeteredSaver(saver, meter)))
-    meter.close("build")
-    trainer.run()
+        trainer = build_trainer(cfg, state, dev, overrides=Overrides(
+            hooks=Hooks(on_step=on_step), save=lambda saver: _MeteredSaver(saver, meter)))
+        meter.close("build")
+        trainer.run()
     return meter.peaks
 
 
-def load_peak(argv: list[str], dev: torch.device) -> int:
+def _tensors(dev: torch.device) -> contextlib.AbstractContextManager:
+    """Counting tensor storage on the CPU (a GPU's allocator counts it already)."""
+    return PeakMemory() if dev.type == "cpu" else contextlib.nullcontext()
+
+
+def load_peak(argv: list[str], dev: torch.device) -> dict[str, int]:
     """One rank: the peak bytes above its start of building the trainer for ``argv`` with
     ``--load`` of the checkpoint it saved (best in a fresh process: on the CPU, memory an
     earlier trainer freed may still be resident)."""
@@ -148,10 +175,11 @@ def load_peak(argv: list[str], dev: torch.device) -> int:
     validate(cfg, torch.distributed.get_world_size())
     state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                 cfg.parallel.pipeline_model_parallel_size)
-    meter = PhaseMeter(dev)
-    build_trainer(cfg, state, dev)
-    meter.close("load")
-    return meter.peaks["load"]
+    with _tensors(dev) as tensors:
+        meter = PhaseMeter(dev, tensors)
+        build_trainer(cfg, state, dev)
+        meter.close("load")
+    return meter.peaks
 
 
 # Appended to a run's flags: the same layout and path through the code at a width that costs
@@ -166,7 +194,7 @@ def _rank(argv: list[str], steps: int) -> tuple[str, dict[str, int]]:
     return devices.describe(dev), phase_peaks(argv, dev, steps)
 
 
-def _rank_load(argv: list[str], steps: int) -> int:
+def _rank_load(argv: list[str], steps: int) -> dict[str, int]:
     dev = devices.device()
     load_peak([*argv, *WARM_UP, "--save", _warm_dir(argv), "--train-iters", str(steps)], dev)
     return load_peak([*argv, "--train-iters", str(steps)], dev)
@@ -204,13 +232,20 @@ def predicted(argv: list[str], world: int, steps: int, device_type: str) -> dict
 
 
 def _table(layout: Layout, ranks: list[dict[str, int]], model: dict[str, int]) -> list[str]:
+    """Per phase the fullest rank's peaks (MiB): the device's figure (RSS on the CPU), tensor
+    storage (CPU only), the prediction, and tensors (or the device's figure) / prediction."""
+    tracked = f"{PHASES[0]} tensors" in ranks[0]
     lines = [f"{layout} (the fullest rank per phase, MiB above the start of the build):",
-             f"  {'phase':<12} {'measured':>9} {'predicted':>9} {'ratio':>6}"]
+             f"  {'phase':<12} {'RSS' if tracked else 'allocator':>9} "
+             f"{'tensors' if tracked else '':>9} {'predicted':>9} {'ratio':>6}"]
     for phase in PHASES:
-        worst = max(r[phase] for r in ranks)
-        guess = model.get(phase)
-        cells = ("-", "-") if guess is None else (f"{guess / MIB:.1f}", f"{worst / guess:.2f}")
-        lines.append(f"  {phase:<12} {worst / MIB:>9.1f} {cells[0]:>9} {cells[1]:>6}")
+        device = max(r[phase] for r in ranks)
+        tensors = max(r[f"{phase} tensors"] for r in ranks) if tracked else None
+        guess, measured = model.get(phase), tensors if tracked else device
+        cells = ("-", "-") if guess is None else (f"{guess / MIB:.1f}", f"{measured / guess:.2f}")
+        shown = "" if tensors is None else f"{tensors / MIB:.1f}"
+        lines.append(f"  {phase:<12} {device / MIB:>9.1f} {shown:>9} {cells[0]:>9} "
+                     f"{cells[1]:>6}")
     return lines
 
 
@@ -239,8 +274,7 @@ def main() -> None:
             loads = spawn(_rank_load, layout.world, argv, a.steps, timeout_s=1800.0)
             if k == 0:
                 out.write(f"machine (each rank): {replies[0][0]}\n")
-            ranks = [{**peaks, "load": load} for (_, peaks), load in zip(replies, loads,
-                                                                         strict=True)]
+            ranks = [{**peaks, **load} for (_, peaks), load in zip(replies, loads, strict=True)]
             model = predicted(argv, layout.world, a.steps, devices.device().type)
             out.write("\n".join(_table(layout, ranks, model)) + "\n")
             out.flush()

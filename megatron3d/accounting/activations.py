@@ -178,7 +178,7 @@ class PeakMemory(TorchDispatchMode):
 
     def _track(self, storage: torch.UntypedStorage) -> None:
         key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or key in self._live:
+        if size == 0 or key in self._live or storage.device.type == "meta":
             return
         self._live[key] = size
         self.current += size
@@ -187,3 +187,7 @@ class PeakMemory(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self._live.pop(key)
+
+    def new_window(self) -> None:
+        """Start counting the peak afresh from what is alive now."""
+        self.peak = self.current

@@ -71,6 +71,11 @@ class Saver:
              self.lr_schedule, self._snapshot, self.background)
         return str(io.iteration_dir(Path(self.root), progress.iteration))
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the saver holds: its snapshot buffer, once the first save made it."""
+        return 0 if self._snapshot is None else self._snapshot.nbytes
+
     def wait(self) -> None:
         """Every rank, at the same point: return once the last save is published."""
         if self.background is not None:
