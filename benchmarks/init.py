@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
-import resource
 import sys
 import tempfile
 import time
@@ -56,36 +54,20 @@ MIB = 1024 * 1024
 MODES = ("draw", "load")
 
 
-def _status_kib(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M)[1])
-
-
 class Peak:
-    """Peak RSS above the RSS at ``start()``; exact where the kernel's peak can be reset."""
+    """Peak memory above the memory in use at ``start()`` (``device.reset_peak_memory``:
+    exact where Linux lets the kernel's peak be reset)."""
 
     def __init__(self) -> None:
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            self.exact = True
-        except OSError:
-            self.exact = False
-
-    def _high(self) -> int:
-        if self.exact:
-            return _status_kib("VmHWM") * 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.exact = Path("/proc/self/clear_refs").exists()
+        self.cpu = torch.device("cpu")
 
     def start(self) -> None:
         gc.collect()
-        if self.exact:
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            self.base = _status_kib("VmRSS") * 1024
-        else:
-            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.base = devices.reset_peak_memory(self.cpu)
 
     def growth(self) -> int:
-        return max(0, self._high() - self.base)
+        return max(0, devices.peak_memory(self.cpu) - self.base)
 
 
 @dataclass(frozen=True)
