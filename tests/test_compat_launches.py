@@ -171,9 +171,9 @@ def test_bloom_zero_stage_0_with_deepspeed_says_stage_1_is_the_equivalent():
     assert any(n.startswith("--zero-stage 0 with --bf16 and DeepSpeed flags: DeepSpeed's bf16 "
                             "optimizer sharded the optimizer states") and "--zero-stage 1" in n
                for n in notices)
-    for argv in (train_argv("gpt2", 3, *bf16_stage0), train_argv("gpt2", 3, "--bf16",
-                                                                 "--zero-stage", "1",
-                                                                 "--deepspeed")):
+    for argv in (train_argv("gpt2", 3, *bf16_stage0),
+                 train_argv("gpt2", 3, "--bf16", "--zero-stage", "1", "--deepspeed"),
+                 train_argv("gpt2", 3, "--fp16", "--zero-stage", "0", "--deepspeed")):
         assert not any("--zero-stage 1 is" in n for n in parse_command_line(argv)[1])
 
 
