@@ -19,7 +19,6 @@ from megatron3d.checkpoint.loading import with_checkpoint_args
 from megatron3d.checkpoint.safety import check_paths
 from megatron3d.cli.arguments import format_config, parse_command_line
 from megatron3d.config import TrainConfig
-from megatron3d.data.builder import check_sources_exist, parse_data_path
 from megatron3d.errors import Megatron3dError, TrainingError
 from megatron3d.log import get_logger, setup_logging
 from megatron3d.mpu import traffic
@@ -30,7 +29,7 @@ from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.resilience.flight_recorder import FlightRecorder
 from megatron3d.resilience.watchdog import Watchdog
 from megatron3d.training.build import Overrides, build_trainer, run_length, valid_samples
-from megatron3d.training.data_setup import dry_run
+from megatron3d.training.data_setup import check_data_exists, check_vocabulary_fits, dry_run
 from megatron3d.training.loop import Hooks
 from megatron3d.validation import validate
 
@@ -52,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         validate(cfg, env.world_size)
         devices.check_rendezvous_env(env)
         if not cfg.data.mock_data:  # flags checked: now the files they name
-            check_sources_exist(parse_data_path(cfg.data.data_path, cfg.data.data_path_file))
+            check_data_exists(cfg)
+            check_vocabulary_fits(cfg)
         if cfg.data.dry_run_data:
             sys.stdout.write(_dry_run(cfg, env.world_size) + "\n")
             return 0

@@ -34,6 +34,7 @@ from megatron3d.config import (
 )
 from megatron3d.data.builder import parse_split
 from megatron3d.data.tokenizer import TokenizerSpec
+from megatron3d.data.vocab_padding import check_vocab_padding
 from megatron3d.errors import ConfigError
 from megatron3d.model.gpt import stage_bounds
 from megatron3d.mpu.topology import Topology
@@ -119,16 +120,23 @@ def _words(bounds: Range, symbols: bool = False) -> str:
 
 def _check_data(data: DataConfig, model: ModelConfig) -> None:
     parse_split(data.split)  # its owner's check, before any process starts
-    sources = {name: value for name, value in (("mock_data", data.mock_data),
-                                               ("data_path", data.data_path),
-                                               ("data_path_file", data.data_path_file)) if value}
+    sources = {name: getattr(data, name) for name in ("mock_data", "data_path", "data_path_file",
+                                                      "train_data_path")
+               if getattr(data, name)}
     if len(sources) != 1:
         raise _error("give exactly one training data source", sources or {"mock_data": False},
-                     "pass one of --mock-data, --data-path PREFIX or --data-path-file FILE")
+                     "pass one of --mock-data, --data-path PREFIX, --data-path-file FILE or "
+                     "--train-data-path PREFIX")
+    for name in ("valid_data_path", "test_data_path"):
+        if getattr(data, name) and not data.train_data_path:
+            raise _error(f"{flag(name)} needs --train-data-path", {name: getattr(data, name)},
+                         f"give the training datasets with --train-data-path, or drop "
+                         f"{flag(name)} and cut every split from --data-path with --split")
     if not data.mock_data:
         _check_tokenizer(data, model)
         return
-    for name, value in (("tokenizer_type", data.tokenizer_type),
+    null = data.tokenizer_type == "NullTokenizer"  # Megatron's mock runs name it: harmless
+    for name, value in (("tokenizer_type", None if null else data.tokenizer_type),
                         ("eod_mask_loss", data.eod_mask_loss), ("dry_run_data", data.dry_run_data)):
         if value:
             raise _error(f"--mock-data has no tokenizer, so {flag(name)} does not apply",
@@ -240,6 +248,9 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
             raise _error(f"{flag(name)} {size} is not divisible by the tensor-parallel size",
                          {name: size, "tensor_model_parallel_size": tp},
                          f"pick a --tensor-model-parallel-size that divides {size}")
+    if cfg.model.pad_vocab_size_to is not None:
+        check_vocab_padding(cfg.model.pad_vocab_size_to, tp,
+                            cfg.model.vocab_size if cfg.data.mock_data else None)
     if parallel.zero_stage not in ZERO_STAGES:
         raise _error("unknown ZeRO stage", {"zero_stage": parallel.zero_stage},
                      "use --zero-stage 0, 1 or 3")

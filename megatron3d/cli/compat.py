@@ -11,9 +11,13 @@ README's "Megatron flags" table is ``markdown_table()`` (a test keeps them equal
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from megatron3d.cli.line_rewrites import TOKENIZER_TYPES, deepspeed_stage_0, tokenizer_spelling
+from megatron3d.cli.weighted_splits import data_path_words
+from megatron3d.errors import ConfigError
 
 Action = Literal["alias", "notice", "refuse"]
 
@@ -23,7 +27,8 @@ class CompatFlag:
     """One foreign flag. ``text`` says what megatron3d does instead (alias, notice) or why it
     is refused and what to use. ``nargs``: values it takes. ``becomes``: an alias's flags,
     ``{}`` standing for its value. ``only``: a notice's harmless values; any other value is
-    refused with ``text``."""
+    refused with ``text``. ``convert``: turns the value (a file) into the alias's values,
+    raising ConfigError when it cannot."""
 
     name: str
     action: Action
@@ -31,10 +36,15 @@ class CompatFlag:
     nargs: int = 0
     becomes: tuple[str, ...] = ()
     only: tuple[str, ...] = ()
+    convert: Callable[[str], list[str]] | None = None
 
 
 def _alias(name: str, becomes: str, text: str = "", nargs: int = 0) -> CompatFlag:
     return CompatFlag(name, "alias", text, nargs, tuple(becomes.split()))
+
+
+def _from_file(name: str, ours: str) -> CompatFlag:
+    return CompatFlag(name, "alias", "", 1, (ours,), convert=data_path_words)
 
 
 def _notice(names: str, text: str, nargs: int = 0, only: str = "") -> list[CompatFlag]:
@@ -48,6 +58,8 @@ def _refuse(names: str, text: str, nargs: int = 0) -> list[CompatFlag]:
 _NO_FUSION = "megatron3d has no hand-fused kernels to switch (torch kernels, apex when found)"
 _ALWAYS_TB = "always written to TensorBoard when --tensorboard-dir is given"
 _LAYOUT_FREE = "checkpoints are already layout-independent: any layout loads any other"
+_NO_MOE = ("mixture-of-experts models are not supported: drop the MoE flags (a dense model "
+           "of the same --ffn-hidden-size trains)")
 _DEEPSPEED = ("megatron3d runs its own ZeRO, not DeepSpeed: --zero-stage 0/1/3 carries the "
               "stage, --micro-batch-size and --global-batch-size the batch sizes, --bf16/--fp16 "
               "the precision and --clip-grad the clipping; drop the DeepSpeed flags")
@@ -124,22 +136,94 @@ TABLE: tuple[CompatFlag, ...] = (
              "alibi use no learned position table)"),
     *_notice("--optimizer", "AdamW, which Megatron's 'adam' is", nargs=1, only="adam"),
     *_notice("--context-parallel-size --expert-model-parallel-size",
-             "context and expert parallelism are not supported; only size 1 is", nargs=1,
-             only="1"),
+             "context and expert parallelism are not supported: use size 1 or drop the flag",
+             nargs=1, only="1"),
     *_notice("--rotary-percent", "rotary embeddings cover the whole head; only 1.0 is "
              "supported", nargs=1, only="1 1.0"),
     *_notice("--lr-warmup-init", "warmup starts from 0; only 0 is supported", nargs=1,
              only="0 0.0"),
     *_notice("--weight-decay-incr-style", "the weight decay is constant; only 'constant' is "
              "supported", nargs=1, only="constant"),
-    *_refuse("--deepspeed --deepspeed_mpi --zero-contigious-gradients --zero-reduce-scatter "
+    *_notice("--attention-backend", "attention runs through torch's SDPA, which picks the "
+             "flash or fused kernel the GPU has", nargs=1, only="auto flash fused unfused local"),
+    *_notice("--cross-entropy-loss-fusion", _NO_FUSION),
+    *_notice("--manual-gc --manual-gc-interval --empty-unused-memory-level", "Python's "
+             "garbage collector and torch's caching allocator run as they are; results do not "
+             "depend on them", nargs=1),
+    *_notice("--tp-comm-overlap --defer-embedding-wgrad-compute", "a Transformer Engine "
+             "overlap; megatron3d's tensor-parallel collectives are plain torch.distributed "
+             "calls (the same results)"),
+    *_notice("--ckpt-fully-parallel-save --ckpt-fully-parallel-load "
+             "--ckpt-assume-constant-structure --use-persistent-ckpt-worker", "every rank "
+             "already writes and reads only its own chunks, in parallel (--async-save writes in "
+             "the background)"),
+    *_notice("--wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity", "megatron3d "
+             "has no Weights & Biases writer: the metrics go to the log and to TensorBoard "
+             "(--tensorboard-dir)", nargs=1),
+    _alias("--ddp-bucket-size", "--reduce-bucket-size {}",
+           "elements per data-parallel gradient bucket, as in Megatron", nargs=1),
+    *_notice("--ddp-num-buckets", "the bucket size is --reduce-bucket-size", nargs=1),
+    *_notice("--ddp-average-in-collective --overlap-param-gather-with-optimizer-step "
+             "--use-contiguous-parameters-in-local-ddp", "data parallelism is megatron3d's "
+             "own: contiguous buckets reduced while backward runs"),
+    *_notice("--profile --use-pytorch-profiler", "no built-in profiler: run torch.profiler or "
+             "Nsight Systems around pretrain_gpt.py"),
+    *_notice("--profile-step-start --profile-step-end --profile-ranks", "no built-in profiler: "
+             "run torch.profiler or Nsight Systems around pretrain_gpt.py", nargs=1),
+    *_notice("--no-create-attention-mask-in-dataloader", "no mask is ever built: SDPA applies "
+             "the causal mask itself"),
+    *_notice("--tiktoken-pattern", "read only by Megatron's TikTokenizer (megatron3d's "
+             "tokenizers: --tokenizer-type)", nargs=1),
+    *_notice("--log-memory-interval --logging-level --timing-log-option --straggler-minmax-count",
+             "the log line is megatron3d's; --memory-report prints the memory after the first "
+             "step", nargs=1),
+    *_notice("--log-progress --log-energy --log-straggler --disable-straggler-on-startup",
+             "the log line is megatron3d's; --memory-report prints the memory after the first "
+             "step"),
+    *_notice("--disable-gloo-process-groups", "megatron3d makes gloo groups only where the "
+             "backend is gloo"),
+    *_notice("--enable-cuda-graph --external-cuda-graph --te-rng-tracker", "no CUDA graphs or "
+             "Transformer Engine: each step runs eagerly"),
+    *_notice("--cuda-graph-impl --high-priority-stream-groups", "no CUDA graphs or "
+             "Transformer Engine: each step runs eagerly", nargs=1),
+    *_notice("--rerun-mode", "no rerun state machine (--check-for-nan-in-loss-and-grad "
+             "stops a run with non-finite values); only 'disabled' is supported", nargs=1,
+             only="disabled"),
+    *_notice("--valid-num-workers", "batches are read in the training process from "
+             "memory-mapped .bin files", nargs=1),
+    *_notice("--deepspeed", "megatron3d runs its own data parallelism and ZeRO: give the stage "
+             "with --zero-stage"),
+    _alias("--data-args-path", "--data-path-file {}", "the file holds the --data-path words",
+           nargs=1),
+    _from_file("--train-weighted-split-paths-path", "--train-data-path"),
+    _from_file("--valid-weighted-split-paths-path", "--valid-data-path"),
+    _from_file("--test-weighted-split-paths-path", "--test-data-path"),
+    *_refuse("--per-split-data-args-path", "give each split's datasets with --train-data-path, "
+             "--valid-data-path and --test-data-path ('W1 P1 W2 P2 ...' each)", nargs=1),
+    *_refuse("--deepspeed_mpi --zero-contigious-gradients --zero-reduce-scatter "
              "--cpu-optimizer --cpu_torch_adam --use-pin-memory", _DEEPSPEED),
     *_refuse("--deepspeed_config --deepspeed-config --zero-allgather-bucket-size "
              "--remote-device", _DEEPSPEED, nargs=1),
-    *_refuse("--pad-vocab-size-to", "the vocabulary is padded to a multiple of "
-             "--make-vocab-size-divisible-by x TP (BLOOM's 250,680 tokens with 128 at TP 4 give "
-             "250,880): use --make-vocab-size-divisible-by", nargs=1),
-    *_refuse("--num-experts", "mixture-of-experts models are not supported", nargs=1),
+    *_refuse("--decoupled-lr --decoupled-min-lr", "every parameter follows --lr and --min-lr "
+             "(no separate embedding learning rate): drop the flag", nargs=1),
+    *_refuse("--calculate-per-token-loss", "the loss is the mean over each micro-batch's "
+             "tokens, averaged over micro-batches (Megatron's default): drop the flag"),
+    *_refuse("--fp8-format --fp8-amax-history-len --fp8-amax-compute-algo --fp8-margin "
+             "--fp8-interval --fp8-recipe", "fp8 training is not supported: drop the fp8 "
+             "flags and use --bf16", nargs=1),
+    *_refuse("--fp8-param-gather", "fp8 training is not supported: drop the fp8 flags and use "
+             "--bf16"),
+    *_refuse("--use-torch-fsdp2", "use --zero-stage 3: megatron3d's ZeRO-3 shards parameters, "
+             "gradients and optimizer states as FSDP does"),
+    *_refuse("--save-retain-interval", "use --keep-last-n N to keep the newest N checkpoints",
+             nargs=1),
+    *_refuse("--lr-wsd-decay-style --lr-wsd-decay-samples --lr-wsd-decay-iters", "the WSD "
+             "schedule is not supported: use --lr-decay-style constant, linear or cosine",
+             nargs=1),
+    *_refuse("--num-experts --moe-router-topk --moe-router-load-balancing-type "
+             "--moe-aux-loss-coeff --moe-token-dispatcher-type --moe-router-dtype "
+             "--moe-ffn-hidden-size --expert-tensor-parallel-size", _NO_MOE, nargs=1),
+    *_refuse("--moe-grouped-gemm --moe-router-enable-expert-bias", _NO_MOE),
     *_refuse("--no-save-optim --no-save-rng", "checkpoints always hold the optimizer and RNG "
              "states so that a resume is exact; tools/checkpoint/consolidate.py writes the "
              "weights alone"),
@@ -148,9 +232,6 @@ TABLE: tuple[CompatFlag, ...] = (
              "--checkpoint-in-cpu --partition-activations", "not supported by megatron3d: "
              "drop the flag (for activation memory, --sequence-parallel keeps activations "
              "sharded over the tensor-parallel ranks)"),
-    *_refuse("--train-data-path --valid-data-path --test-data-path", "separate per-split "
-             "datasets are not supported: give one --data-path (or a blend) and --split",
-             nargs=1),
     *_refuse("--world-size --rank", "the launcher's WORLD_SIZE and RANK set them", nargs=1),
 )
 BY_NAME: Mapping[str, CompatFlag] = {flag.name: flag for flag in TABLE}
@@ -173,7 +254,7 @@ class Translation:
 def translate(argv: Sequence[str], known: Collection[str]) -> Translation:
     """Rewrite ``argv`` through the table; ``known`` are megatron3d's own flags."""
     out = Translation()
-    args, i = list(argv), 0
+    args, i = tokenizer_spelling(list(argv), out.notices), 0
     aliased: dict[str, str] = {}  # a flag an alias produced -> the alias
     while i < len(args):
         word = args[i]
@@ -193,6 +274,15 @@ def translate(argv: Sequence[str], known: Collection[str]) -> Translation:
             out.problems.append((shown, flag.text))
         elif flag.action == "notice":
             out.notices.append(f"{shown}: ignored, {flag.text}")
+        elif flag.convert is not None:
+            try:
+                becomes = [*flag.becomes, *flag.convert(values[0])]
+            except ConfigError as err:
+                out.problems.append((shown, str(err)))
+                continue
+            out.argv += becomes
+            aliased[becomes[0]] = shown
+            out.notices.append(f"{shown}: read as {' '.join(becomes)}")
         else:
             becomes = [w.replace("{}", values[0]) if values else w for w in flag.becomes]
             out.argv += becomes
@@ -200,6 +290,7 @@ def translate(argv: Sequence[str], known: Collection[str]) -> Translation:
             why = f" ({flag.text})" if flag.text else ""
             out.notices.append(f"{shown}: read as {' '.join(becomes)}{why}")
     out.problems += _conflicts(out.argv, aliased)
+    out.notices += deepspeed_stage_0(argv)
     return out
 
 
@@ -244,6 +335,10 @@ def markdown_table() -> str:
     rows = ["| Megatron flag | megatron3d |", "| --- | --- |"]
     verbs = {"alias": "same as", "notice": "accepted, ignored:", "refuse": "refused:"}
     for flag in TABLE:
+        if flag.convert is not None:
+            rows.append(f"| `{flag.name} FILE` | read from the file as {flag.becomes[0]} "
+                        "W1 P1 W2 P2 (BigScience's one group of whole datasets, 0:1) |")
+            continue
         value = " VALUE" if flag.nargs else ""
         what = " ".join(flag.becomes) if flag.action == "alias" else ""
         detail = "; ".join(x for x in (what, flag.text) if x)
@@ -252,4 +347,7 @@ def markdown_table() -> str:
     for name, spellings in VALUE_SPELLINGS.items():
         pairs = ", ".join(f"`{a}` = `{b}`" for a, b in spellings.items())
         rows.append(f"| `{name}` values | Megatron's spelling accepted: {pairs} |")
+    pairs = ", ".join(f"`{a}` = `{b}`" for a, b in TOKENIZER_TYPES.items())
+    rows.append(f"| `--tokenizer-type` values | read with a notice: {pairs} (a "
+                "HuggingFaceTokenizer's `--tokenizer-model` is `--tokenizer-name-or-path`) |")
     return "\n".join(rows)

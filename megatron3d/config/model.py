@@ -51,6 +51,9 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = option(
         128, "Pad the vocabulary to a multiple of this times the TP size.",
         range=Range(1, 2**16))
+    pad_vocab_size_to: int | None = option(
+        None, "Pad the vocabulary to exactly this many rows instead (BLOOM: 250880); at least "
+        "the tokenizer's vocabulary and divisible by the TP size.", range=VOCABULARY)
     position_embedding_type: PositionEmbeddingType = option(
         "learned_absolute", "learned_absolute (GPT-2), alibi (BLOOM) or rope (Llama).")
     rotary_base: float = option(10000.0, "Base of the rotary frequencies.", range=POSITIVE)
@@ -110,6 +113,8 @@ class ModelConfig:
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Vocabulary rows actually allocated; the extra rows are zero and masked out."""
+        if self.pad_vocab_size_to is not None:
+            return self.pad_vocab_size_to
         multiple = self.make_vocab_size_divisible_by * tp_size
         return math.ceil(self.vocab_size / multiple) * multiple
 

@@ -21,6 +21,13 @@ class DataConfig:
         "'W1 P1 W2 P2 ...' weight-prefix pairs blended by sampling proportion.")
     data_path_file: str | None = option(
         None, "File holding the --data-path words (for long blends); '#' starts a comment.")
+    train_data_path: tuple[str, ...] | None = option(
+        None, "Training datasets of their own, read whole ('W1 P1 W2 P2 ...' blends them); "
+        "instead of --data-path and --split.")
+    valid_data_path: tuple[str, ...] | None = option(
+        None, "Validation datasets of their own, read whole; needs --train-data-path.")
+    test_data_path: tuple[str, ...] | None = option(
+        None, "Test datasets of their own, read whole; needs --train-data-path.")
     data_impl: Literal["mmap"] = option(
         "mmap", "Dataset format; the memory-mapped .bin/.idx format is the one supported.")
     split: str = option("969, 30, 1", "Train, valid, test shares of each dataset's documents.")

@@ -161,48 +161,91 @@ def _open_token_datasets(sources: DataSources, vocab_size: int | None = None,
     return datasets
 
 
+@dataclass(frozen=True)
+class SplitPaths:
+    """Where the splits come from: ``data_path`` (or ``data_path_file``) cut by ``split``, or
+    each split's own datasets read whole (Megatron-LM's --train/valid/test-data-path)."""
+
+    data_path: Sequence[str] | str | None = None
+    data_path_file: str | None = None
+    split: str = DEFAULT_SPLIT
+    train_data_path: Sequence[str] | None = None
+    valid_data_path: Sequence[str] | None = None
+    test_data_path: Sequence[str] | None = None
+
+    def sources(self) -> list[DataSources | None]:
+        """The shared sources once, or each split's own (``None``: that split has none)."""
+        if self.train_data_path is None:
+            return [parse_data_path(self.data_path, self.data_path_file)]
+        return [None if words is None else parse_data_path(words)
+                for words in (self.train_data_path, self.valid_data_path, self.test_data_path)]
+
+
+@dataclass(frozen=True)
+class _Split:
+    """One split's datasets, their weights and the documents each gives it."""
+
+    sources: DataSources
+    datasets: list[IndexedDataset]
+    documents: list[range]
+
+
+def _plan(paths: SplitPaths, vocab_size: int | None = None,
+          tokenizer_type: str = "the tokenizer") -> list[_Split | None]:
+    """Train, valid, test: every dataset opened and checked before any index is built."""
+    opened = [None if s is None else (s, _open_token_datasets(s, vocab_size, tokenizer_type))
+              for s in paths.sources()]
+    if len(opened) == 3:
+        return [None if o is None else _Split(o[0], o[1], [range(len(d)) for d in o[1]])
+                for o in opened]
+    sources, datasets = opened[0]
+    ranges = [split_ranges(len(ds), parse_split(paths.split)) for ds in datasets]
+    return [_Split(sources, datasets, [r[i] for r in ranges]) for i in range(len(SPLITS))]
+
+
 def build_datasets(*, data_path: Sequence[str] | str | None, seq_length: int, seed: int,
                    train_samples: int, valid_samples: int = 0, test_samples: int = 0,
                    data_path_file: str | None = None, split: str = DEFAULT_SPLIT,
                    data_cache_path: str | None = None, vocab_size: int | None = None,
-                   tokenizer_type: str = "the tokenizer",
-                   cache_timeout_s: float = 1800.0) -> SplitDatasets:
+                   tokenizer_type: str = "the tokenizer", cache_timeout_s: float = 1800.0,
+                   **per_split: Sequence[str] | None) -> SplitDatasets:
     """Train/valid/test datasets holding at least the requested numbers of samples.
+    ``per_split``: ``train_data_path``, ``valid_data_path``, ``test_data_path`` (``SplitPaths``).
 
     Every rank calls this; index caches missing from ``data_cache_path`` (default
     ``index-cache`` beside the first dataset) are built by one process while the others
     wait up to ``cache_timeout_s``. ``vocab_size`` (of ``tokenizer_type``, named in errors)
     enables the token-range checks: at start, then on every batch.
     """
-    sources = parse_data_path(data_path, data_path_file)
-    datasets = _open_token_datasets(sources, vocab_size, tokenizer_type)
-    ranges = [split_ranges(len(ds), parse_split(split)) for ds in datasets]
-    cache = IndexCache(data_cache_path or default_cache_dir(sources), timeout_s=cache_timeout_s)
+    paths = SplitPaths(data_path, data_path_file, split, **per_split)
+    plan = _plan(paths, vocab_size, tokenizer_type)
+    first = plan[0].sources
+    cache = IndexCache(data_cache_path or default_cache_dir(first), timeout_s=cache_timeout_s)
     logger.info("building datasets: %d train, %d valid, %d test samples of %d tokens, seed %d, "
-                "split %r, index cache %s", train_samples, valid_samples, test_samples,
-                seq_length, seed, split, cache.directory)
+                "%s, index cache %s", train_samples, valid_samples, test_samples,
+                seq_length, seed, f"split {paths.split!r}" if len(paths.sources()) == 1
+                else "a dataset list per split", cache.directory)
     built = []
-    for i, (name, wanted) in enumerate(zip(SPLITS, (train_samples, valid_samples, test_samples),
-                                           strict=True)):
-        split_docs = [r[i] for r in ranges]
-        if name == "train" and wanted > 0 and all(len(r) == 0 for r in split_docs):
-            raise ConfigError(f"--split {split!r} gives the train split none of the "
-                              f"{len(datasets[0])} documents of {sources.prefixes[0]}; give "
-                              "train a larger share")
-        if wanted <= 0 or all(len(r) == 0 for r in split_docs):
+    for name, wanted, part in zip(SPLITS, (train_samples, valid_samples, test_samples), plan,
+                                  strict=True):
+        if name == "train" and wanted > 0 and all(len(r) == 0 for r in part.documents):
+            raise ConfigError(f"--split {paths.split!r} gives the train split none of the "
+                              f"{len(part.datasets[0])} documents of {first.prefixes[0]}; "
+                              "give train a larger share")
+        if wanted <= 0 or part is None or all(len(r) == 0 for r in part.documents):
             logger.info(" > %s: not built (%d samples wanted, %d documents)", name, wanted,
-                        sum(len(r) for r in split_docs))
+                        0 if part is None else sum(len(r) for r in part.documents))
             built.append(None)
             continue
-        def make(d: int, count: int, docs: list[range] = split_docs,
-                 name: str = name) -> GPTDataset:
-            return GPTDataset(datasets[d], docs[d], name=name, seq_length=seq_length,
-                              num_samples=count, seed=seed, cache=cache, vocab_size=vocab_size)
-        if len(datasets) == 1:
+        def make(d: int, count: int, part: _Split = part, name: str = name) -> GPTDataset:
+            return GPTDataset(part.datasets[d], part.documents[d], name=name,
+                              seq_length=seq_length, num_samples=count, seed=seed, cache=cache,
+                              vocab_size=vocab_size)
+        if len(part.datasets) == 1:
             built.append(make(0, wanted))
             continue
-        blend = cached_blending_index(sources.weights, wanted, name, cache)
-        counts = draws_per_source(blend, len(datasets))
+        blend = cached_blending_index(part.sources.weights, wanted, name, cache)
+        counts = draws_per_source(blend, len(part.datasets))
         built.append(BlendedDataset([make(d, int(c)) if c else None
                                      for d, c in enumerate(counts)], blend))
     return SplitDatasets(*built)
@@ -210,28 +253,30 @@ def build_datasets(*, data_path: Sequence[str] | str | None, seq_length: int, se
 
 def dry_run_report(*, data_path: Sequence[str] | str | None, seq_length: int,
                    train_samples: int, valid_samples: int = 0, test_samples: int = 0,
-                   data_path_file: str | None = None,
-                   split: str = DEFAULT_SPLIT) -> dict[str, list[SourceReport]]:
+                   data_path_file: str | None = None, split: str = DEFAULT_SPLIT,
+                   **per_split: Sequence[str] | None) -> dict[str, list[SourceReport]]:
     """Per split and source: weight, samples drawn and implied epochs. Writes no files."""
-    sources = parse_data_path(data_path, data_path_file)
-    datasets = _open_token_datasets(sources)
-    ranges = [split_ranges(len(ds), parse_split(split)) for ds in datasets]
     report = {}
-    for i, (name, wanted) in enumerate(zip(SPLITS, (train_samples, valid_samples, test_samples),
-                                           strict=True)):
-        if all(len(r[i]) == 0 for r in ranges):
+    plan = _plan(SplitPaths(data_path, data_path_file, split, **per_split))
+    for name, wanted, part in zip(SPLITS, (train_samples, valid_samples, test_samples), plan,
+                                  strict=True):
+        if part is None:
+            continue
+        datasets = part.datasets
+        if all(len(r) == 0 for r in part.documents):
             counts = np.zeros(len(datasets), dtype=np.int64)  # not built: no documents
         elif len(datasets) == 1:
             counts = np.array([wanted])
         else:
-            counts = draws_per_source(blending_index(sources.weights, wanted), len(datasets))
+            counts = draws_per_source(blending_index(part.sources.weights, wanted),
+                                      len(datasets))
         rows = []
         for d, ds in enumerate(datasets):
-            docs = ranges[d][i]
+            docs = part.documents[d]
             tokens = int(ds.sizes[docs.start:docs.stop].sum(dtype=np.int64))
             epochs = counts[d] * seq_length / tokens if tokens else (
                 float("inf") if counts[d] else 0.0)
-            rows.append(SourceReport(ds.prefix, sources.weights[d], int(counts[d]), len(docs),
-                                     tokens, float(epochs)))
+            rows.append(SourceReport(ds.prefix, part.sources.weights[d], int(counts[d]),
+                                     len(docs), tokens, float(epochs)))
         report[name] = rows
     return report

@@ -77,8 +77,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "separately, then merged.", default=1)
     add_float(p, "--chunk-mb", POSITIVE, "Input MB per worker task.", default=1.0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dataset-impl", default="mmap",
+                   help="Megatron's dataset format flag: mmap, the only format written")
     add_tokenizer_args(p)
-    return p.parse(argv)
+    args = p.parse(argv)
+    if args.dataset_impl != "mmap":
+        raise ConfigError(f"--dataset-impl {args.dataset_impl!r} is not supported: mmap is the "
+                          "only format written (Megatron's .bin/.idx, which every Megatron "
+                          "reads); pass --dataset-impl mmap or drop the flag")
+    return args
 
 
 def _progress_bar(total: int, enabled: bool):

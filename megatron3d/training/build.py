@@ -26,6 +26,7 @@ from megatron3d.checkpoint.progress import Progress, new_series
 from megatron3d.checkpoint.reader import find
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
+from megatron3d.data.vocab_padding import check_vocab_padding
 from megatron3d.log import every_rank_logger, get_logger
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss
@@ -86,6 +87,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         data = build_run_data(cfg, train_samples, valid_samples(cfg, schedule), state.pp, dev)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                              vocab_size=data.vocab_size))
+    # the tokenizer is read now: its vocabulary must fit --pad-vocab-size-to
+    check_vocab_padding(cfg.model.pad_vocab_size_to, state.tp.size, data.vocab_size)
     lr_schedule = loading.resume_schedule(cfg, LRSchedule.from_config(
         cfg.optimizer, cfg.lr_schedule, train_samples, schedule.samples_for_iters,
         iteration_based=cfg.training.train_iters is not None))  # before the model: may refuse

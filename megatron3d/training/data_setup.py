@@ -17,10 +17,16 @@ import torch
 
 from megatron3d.config import TrainConfig
 from megatron3d.data.blended_dataset import format_report
-from megatron3d.data.builder import build_datasets, dry_run_report
+from megatron3d.data.builder import (
+    SplitPaths,
+    build_datasets,
+    check_sources_exist,
+    dry_run_report,
+)
 from megatron3d.data.mock import MockGPTDataset
 from megatron3d.data.sampler import TokenDataset, UnreadDataset
 from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
+from megatron3d.data.vocab_padding import check_vocab_padding
 from megatron3d.errors import ConfigError
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
@@ -92,6 +98,10 @@ def _read(cfg: TrainConfig, train_samples: int, valid_samples: int) -> Datasets:
         raise ConfigError(f"the training split is empty (--split={cfg.data.split!r}): give "
                           "training a share of the documents")
     if sets.valid is None and valid_samples > 0:
+        if cfg.data.train_data_path:
+            raise ConfigError("no validation data (--train-data-path without "
+                              "--valid-data-path) but --eval-iters > 0: pass --valid-data-path "
+                              "or --eval-iters 0")
         raise ConfigError(f"the validation split is empty (--split={cfg.data.split!r}) but "
                           "--eval-iters > 0: give validation a share or pass --eval-iters 0")
     return Datasets(tokenizer.vocab_size, sets.train, sets.valid, sets.test,
@@ -107,8 +117,26 @@ def dry_run(cfg: TrainConfig, train_samples: int, valid_samples: int) -> str:
 
 
 def _sources(cfg: TrainConfig) -> dict:
-    return {"data_path": cfg.data.data_path, "data_path_file": cfg.data.data_path_file,
-            "split": cfg.data.split}
+    d = cfg.data
+    return {"data_path": d.data_path, "data_path_file": d.data_path_file, "split": d.split,
+            "train_data_path": d.train_data_path, "valid_data_path": d.valid_data_path,
+            "test_data_path": d.test_data_path}
+
+
+def check_data_exists(cfg: TrainConfig) -> None:
+    """Every dataset prefix the flags name has its .idx (``DataError`` naming the nearest)."""
+    for sources in SplitPaths(**_sources(cfg)).sources():
+        if sources is not None:
+            check_sources_exist(sources)
+
+
+def check_vocabulary_fits(cfg: TrainConfig) -> None:
+    """--pad-vocab-size-to against the tokenizer's vocabulary, before any work (the
+    tokenizer only reads its local files)."""
+    if cfg.model.pad_vocab_size_to is not None and not cfg.data.mock_data:
+        check_vocab_padding(cfg.model.pad_vocab_size_to,
+                            cfg.parallel.tensor_model_parallel_size,
+                            build_tokenizer(_tokenizer_spec(cfg)).vocab_size)
 
 
 def _tokenizer_spec(cfg: TrainConfig) -> TokenizerSpec:
