@@ -122,9 +122,14 @@ def _is_number(word: str) -> bool:
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
-    """``"969, 30, 1"`` or ``"949/50/1"`` -> fractions of (train, valid, test)."""
+    """``"969, 30, 1"`` or ``"949/50/1"`` -> fractions of (train, valid, test).
+
+    Quotes around the value are dropped: Megatron-LM's example scripts keep ``--split '99,1,0'``
+    in a string variable, so the quotes reach us literally.
+    """
+    bare = split.strip().strip("'\"")
     try:
-        parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
+        parts = [float(p) for p in bare.replace("/", ",").split(",") if p.strip()]
     except ValueError:
         parts = []
     if (not 1 <= len(parts) <= 3 or not all(p >= 0 for p in parts)  # nan fails too

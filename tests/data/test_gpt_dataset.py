@@ -149,6 +149,7 @@ def test_split_parsing_and_sizes():
     assert split_ranges(1000, parse_split("949,50,1")) == [range(0, 949), range(949, 999),
                                                             range(999, 1000)]
     assert [len(r) for r in split_ranges(1000, parse_split("969, 30, 1"))] == [969, 30, 1]
+    assert parse_split("'99,1,0'") == parse_split('"99,1,0"') == parse_split("99,1,0")
     assert [len(r) for r in split_ranges(10, parse_split("8/2"))] == [8, 2, 0]
     assert [len(r) for r in split_ranges(7, parse_split("1,1,1"))] == [2, 3, 2]
     for bad in ("", "a,b", "1,2,3,4", "-1,2", "0,0", "nan,1,1", "inf,1,1", "1,-inf", "1e400",
