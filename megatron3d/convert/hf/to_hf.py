@@ -69,15 +69,17 @@ class ExportPlan:
     transformers: ModuleType | None  # None: no verification
 
 
-def plan_export(load: str, output: str, verify: bool = True) -> ExportPlan:
+def plan_export(load: str, output: str, verify: bool = True,
+                family: str | None = None) -> ExportPlan:
     """Everything an export of the newest checkpoint in ``load`` to the new directory
-    ``output`` can be refused for: the packages, the checkpoint and its contents, the
-    architecture, an existing output. Writes nothing."""
+    ``output`` (as transformers' ``family``, ``mapping.family_of``) can be refused for: the
+    packages, the checkpoint and its contents, the architecture, an existing output. Writes
+    nothing."""
     save_file = _safetensors_writer()
     transformers = _transformers() if verify else None
     reader = CheckpointReader.latest(load)
     cfg = saved_config(reader.meta)
-    config = mapping.hf_config(cfg.model, _eod(cfg))  # refuses a model no transformers class holds
+    config = mapping.hf_config(cfg.model, _eod(cfg), family)  # refuses a model no class holds
     owned = model_tensors(cfg.model)
     check_contents(reader, [(p, "weight") for p in owned])
     out = Path(output)
