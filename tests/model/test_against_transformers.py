@@ -15,7 +15,7 @@ import torch
 
 from megatron3d.cli.arguments import parse_args
 from megatron3d.config import ModelConfig
-from megatron3d.convert.hf import mapping
+from megatron3d.convert.hf import mapping, tensor_map
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt
 from megatron3d.model.positional import rotary_frequencies
@@ -77,7 +77,7 @@ def _theirs(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> torch.nn.Modu
     config_class = transformers.CONFIG_MAPPING[config["model_type"]]
     model = transformers.AutoModelForCausalLM.from_config(
         config_class(**config), attn_implementation="eager").eval()
-    state = dict(pair for name, t in tensors.items() for pair in mapping.to_hf(cfg, name, t))
+    state = dict(pair for name, t in tensors.items() for pair in tensor_map.to_hf(cfg, name, t))
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if cfg.tie_embeddings:
@@ -133,8 +133,8 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(case):
 def test_tensors_round_trip_through_the_transformers_layout_bitwise(case):
     cfg, ours = _ours(case)
     tensors = _logical(ours)
-    theirs = dict(pair for name, t in tensors.items() for pair in mapping.to_hf(cfg, name, t))
-    back = dict(mapping.from_hf(cfg, list(tensors), theirs.__getitem__))
+    theirs = dict(pair for name, t in tensors.items() for pair in tensor_map.to_hf(cfg, name, t))
+    back = dict(tensor_map.from_hf(cfg, list(tensors), theirs.__getitem__))
     assert back.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert torch.equal(back[name], tensor), name
