@@ -194,6 +194,8 @@ def _check_model(model: ModelConfig) -> None:
         raise _error(f"rotary embeddings need an even head dimension, got {model.head_dim}",
                      {"hidden_size": hidden, "num_attention_heads": heads},
                      "change --hidden-size or --num-attention-heads so hidden/heads is even")
+    if model.use_rope_scaling:
+        _check_rope_scaling(model)
     if (model.position_embedding_type == "learned_absolute"
             and model.max_positions < model.seq_length):
         raise _error("the learned position table is shorter than a sample",
@@ -204,6 +206,23 @@ def _check_model(model: ModelConfig) -> None:
         raise _error("--checkpoint-activations is full recompute", {
             "checkpoint_activations": True, "recompute_granularity": "selective"},
             "keep one of the two")
+
+
+def _check_rope_scaling(model: ModelConfig) -> None:
+    """Llama 3.x's scaling acts on rotary frequencies, and blends between two wavelengths."""
+    if model.position_embedding_type != "rope":
+        raise _error("--use-rope-scaling scales rotary embeddings", {
+            "use_rope_scaling": True, "position_embedding_type": model.position_embedding_type},
+            "add --position-embedding-type rope or drop --use-rope-scaling")
+    low, high = model.rope_scaling_low_freq_factor, model.rope_scaling_high_freq_factor
+    if high <= low:
+        raise _error("the high-frequency factor of RoPE scaling must exceed the low one", {
+            "rope_scaling_high_freq_factor": high, "rope_scaling_low_freq_factor": low},
+            "Llama 3.x uses 4 and 1")
+    if model.rope_scaling_factor < 1:
+        raise _error("RoPE scaling slows rotations down: its factor is at least 1",
+                     {"rope_scaling_factor": model.rope_scaling_factor},
+                     "pass the model's factor (8 for Llama 3.1, 32 for Llama 3.2)")
 
 
 def _check_query_groups(model: ModelConfig) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from megatron3d import device as devices
 from megatron3d.config import ModelConfig
-from megatron3d.convert.hf import mapping
+from megatron3d.convert.hf import mapping, tensor_map
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def gpt2(model: ModelConfig, weights: dict[str, torch.Tensor], dev: torch.device
     with torch.device(dev):  # drawn where it runs: seconds, not a CPU init of 1.3B weights
         hf = transformers.AutoModelForCausalLM.from_config(config_class(**config),
                                                            attn_implementation="sdpa")
-    state = {k: v for name, t in weights.items() for k, v in mapping.to_hf(model, name, t)}
+    state = {k: v for name, t in weights.items() for k, v in tensor_map.to_hf(model, name, t)}
     missing, unexpected = hf.load_state_dict({k: v.float() for k, v in state.items()},
                                              strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:

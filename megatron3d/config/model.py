@@ -57,6 +57,23 @@ class ModelConfig:
     position_embedding_type: PositionEmbeddingType = option(
         "learned_absolute", "learned_absolute (GPT-2), alibi (BLOOM) or rope (Llama).")
     rotary_base: float = option(10000.0, "Base of the rotary frequencies.", range=POSITIVE)
+    use_rope_scaling: bool = option(
+        False, "Llama 3.x RoPE frequency scaling: frequencies whose wavelength exceeds the "
+        "original context / --rope-scaling-low-freq-factor are divided by "
+        "--rope-scaling-factor, those under context / --rope-scaling-high-freq-factor kept, "
+        "the ones between blended.")
+    rope_scaling_factor: float = option(
+        8.0, "Llama 3.x RoPE scaling: what the low frequencies are divided by (8 for Llama "
+        "3.1, 32 for 3.2).", range=POSITIVE)
+    rope_scaling_low_freq_factor: float = option(
+        1.0, "Llama 3.x RoPE scaling: wavelengths above original context / this are scaled.",
+        range=POSITIVE)
+    rope_scaling_high_freq_factor: float = option(
+        4.0, "Llama 3.x RoPE scaling: wavelengths below original context / this are kept; "
+        "must exceed the low-frequency factor.", range=POSITIVE)
+    rope_scaling_original_max_position_embeddings: int = option(
+        8192, "Llama 3.x RoPE scaling: the context the model was first trained at.",
+        range=SIZE)
     normalization: Normalization = option("layernorm", "layernorm or rmsnorm.")
     layernorm_epsilon: float = option(1e-5, "Epsilon of every normalisation layer.",
                                       range=POSITIVE, aliases=("norm_epsilon",))
@@ -65,6 +82,8 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = option(
         False, "Give the LM head its own weight instead of the input embedding's.")
     disable_bias_linear: bool = option(False, "No biases in linear layers (Llama-style).")
+    add_qkv_bias: bool = option(
+        False, "A bias on the QKV projection even with --disable-bias-linear (Qwen2).")
     init_method_std: float = option(0.02, "Std of the normal initialisation.", range=POSITIVE)
     hidden_dropout: float = option(0.1, "Dropout on attention and MLP outputs.", range=PROBABILITY)
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.", range=PROBABILITY)
@@ -106,6 +125,11 @@ class ModelConfig:
     @property
     def add_bias(self) -> bool:
         return not self.disable_bias_linear
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the QKV projection has a bias: with every linear layer's, or alone."""
+        return self.add_bias or self.add_qkv_bias
 
     @property
     def tie_embeddings(self) -> bool:

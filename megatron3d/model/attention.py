@@ -36,14 +36,14 @@ class SelfAttention(nn.Module):
         self.dropout_p = cfg.attention_dropout
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * self.head_dim
         self.qkv = ColumnParallelLinear(h, qkv_size, name=f"{name}.qkv", init_std=ctx.init_std,
-                                        bias=cfg.add_bias, **ctx.linear_kwargs())
+                                        bias=cfg.qkv_bias, **ctx.linear_kwargs())
         self.dense = RowParallelLinear(h, h, name=f"{name}.dense",
                                        init_std=ctx.output_init_std, bias=cfg.add_bias,
                                        **ctx.linear_kwargs())
         self.position_type = cfg.position_embedding_type
         self.ctx = ctx
         if self.position_type == "rope":
-            cos, sin = rotary_tables(cfg.seq_length, self.head_dim, cfg.rotary_base, ctx.device)
+            cos, sin = rotary_tables(cfg, ctx.device)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.alibi = ctx.alibi if self.position_type == "alibi" else None

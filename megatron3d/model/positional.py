@@ -9,16 +9,44 @@ import math
 
 import torch
 
+from megatron3d.config import ModelConfig
 
-def rotary_tables(seq_length: int, head_dim: int, base: float,
+
+def rotary_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The rotation speed of each channel pair, [d/2] fp32: base^(-2i/d), with Llama 3.x's
+    scaling under ``--use-rope-scaling``."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    return _llama3_scaled(inv_freq, cfg) if cfg.use_rope_scaling else inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.x stretches only the slow rotations to its longer context: a pair whose
+    wavelength exceeds the original context / low factor turns ``factor`` times slower, one
+    under context / high factor is untouched (it already cycles many times per context),
+    and the ones between are blended linearly in context / wavelength. Operation for
+    operation as transformers' ``llama3`` rope type, so the frequencies are its bits."""
+    context = cfg.rope_scaling_original_max_position_embeddings
+    low, high = cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
+    factor = cfg.rope_scaling_factor
+    wavelength = 2 * math.pi / inv_freq
+    slow = wavelength > context / low
+    fast = wavelength < context / high
+    scaled = torch.where(slow, inv_freq / factor, inv_freq)
+    blend = (context / wavelength - low) / (high - low)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    return torch.where(~slow & ~fast, blended, scaled)
+
+
+def rotary_tables(cfg: ModelConfig,
                   device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each [s, 1, 1, d], for the half-split ("rotate half") convention. On the
     meta device only their shape is made (the planner builds thousands of layers there)."""
+    shape = (cfg.seq_length, 1, 1, cfg.head_dim)
     if device is not None and torch.device(device).type == "meta":
-        return (torch.empty(seq_length, 1, 1, head_dim, device=device),
-                torch.empty(seq_length, 1, 1, head_dim, device=device))
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32), inv_freq)  # [s, d/2]
+        return torch.empty(shape, device=device), torch.empty(shape, device=device)
+    angles = torch.outer(torch.arange(cfg.seq_length, dtype=torch.float32),
+                         rotary_frequencies(cfg))  # [s, d/2]
     angles = torch.cat([angles, angles], dim=-1)  # [s, d]
     return (angles.cos()[:, None, None, :].to(device),
             angles.sin()[:, None, None, :].to(device))

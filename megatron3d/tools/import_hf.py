@@ -1,5 +1,6 @@
-"""Import a Hugging Face transformers model (GPT-2, BLOOM, Llama with grouped-query attention)
-as a megatron3d checkpoint to continue pre-training.
+"""Import a Hugging Face transformers model as a megatron3d checkpoint to continue pre-training.
+
+GPT-2, BLOOM, Llama 2/3.x (grouped-query attention, llama3 RoPE scaling), Mistral, Qwen2/2.5.
 
     python tools/checkpoint/import_hf.py --hf hf/my-model --save ckpt \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2

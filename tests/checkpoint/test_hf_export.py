@@ -35,16 +35,24 @@ def checkpoints(trained_222) -> Path:
     return trained_222
 
 
-@pytest.mark.parametrize("flavour", FLAVOURS)
+# (checkpoint, export flags, the transformers class): each family in its own class; a Llama
+# model is a Mistral one without a sliding window, exported as one on request.
+EXPORTS = {**{f: (f, (), ARCHITECTURES.get(f, "LlamaForCausalLM")) for f in FLAVOURS},
+           "mistral": ("llama", ("--model-type", "mistral"), "MistralForCausalLM")}
+
+
+@pytest.mark.parametrize("export", EXPORTS)
 def test_export_matches_transformers_logits_and_greedy_generation(checkpoints, tmp_path,
-                                                                   flavour, capsys):
+                                                                   export, capsys):
+    flavour, flags, architecture = EXPORTS[export]
     out = tmp_path / "hf"
-    assert export_hf.main(["--load", str(checkpoints / flavour), "--output", str(out)]) == 0
+    assert export_hf.main(["--load", str(checkpoints / flavour), "--output", str(out),
+                           *flags]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "top-1 agreement 100.0%" in lines[-2]
     assert PEAK_LINE.search(lines[-1]) and "with the verification" in lines[-1], lines[-1]
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [ARCHITECTURES[flavour]]
+    assert config["architectures"] == [architecture]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     ours = load_model(checkpoints / flavour)
     prompt = torch.tensor([PROMPT])
@@ -133,6 +141,20 @@ def test_an_architecture_transformers_has_no_class_for_is_refused(tmp_path, caps
     err = _one_error_line(capsys)
     assert "no Hugging Face architecture matches this model (positions rope, layernorm" in err
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize(("flavour", "family", "expected"), [
+    ("llama", "qwen2", "--model-type qwen2 cannot hold this model: Qwen2 has a bias on q, k "
+     "and v"),
+    ("qwen2", "mistral", "--model-type mistral cannot hold this model"),
+    ("gpt2", "llama", "--model-type llama cannot hold this model"),
+])
+def test_a_family_that_cannot_hold_the_model_is_one_line(checkpoints, tmp_path, capsys,
+                                                         flavour, family, expected):
+    assert export_hf.main(["--load", str(checkpoints / flavour), "--output",
+                           str(tmp_path / "hf"), "--model-type", family]) == 2
+    assert expected in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failed_verification_leaves_nothing(checkpoints, tmp_path, capsys, monkeypatch):

@@ -39,6 +39,22 @@ CONFIGS = {
               "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 64,
               "max_position_embeddings": SEQ, "rms_norm_eps": 1e-6},
 }
+_LLAMA_SHAPE = {k: v for k, v in CONFIGS["llama"].items() if k != "model_type"}
+# Llama 3.x's RoPE scaling over an original context of 16: at head dim 4 (wavelengths 6.3
+# and 628 against 4 and 16) one frequency is smoothed and the other divided by the factor.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+CONFIGS |= {
+    "llama3": {"model_type": "llama", **_LLAMA_SHAPE, "rope_parameters": LLAMA3_ROPE},
+    "mistral": {"model_type": "mistral", **_LLAMA_SHAPE, "sliding_window": SEQ},  # = full
+    "qwen2": {"model_type": "qwen2", **_LLAMA_SHAPE, "tie_word_embeddings": True},
+}
+# The transformers class each family is exported to, and the export flags that pick it.
+EXPORTED = {"gpt2": ("GPT2LMHeadModel", ()), "bloom": ("BloomForCausalLM", ()),
+            "llama": ("LlamaForCausalLM", ()), "llama3": ("LlamaForCausalLM", ()),
+            "mistral": ("MistralForCausalLM", ("--model-type", "mistral")),
+            "qwen2": ("Qwen2ForCausalLM", ())}
 
 
 def _hf_model(flavour: str, directory: Path):
@@ -47,6 +63,10 @@ def _hf_model(flavour: str, directory: Path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.CONFIG_MAPPING[kind](
         vocab_size=VOCAB, initializer_range=INIT_RANGE, **config)).eval()
+    with torch.no_grad():  # transformers starts biases at zero: a misplaced one would not show
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INIT_RANGE)
     model.save_pretrained(directory)
     return model
 
@@ -86,26 +106,36 @@ def test_imported_models_start_from_transformers_loss(tmp_path):
 
 @pytest.mark.parametrize("flavour", CONFIGS)
 def test_round_trip_is_bitwise(tmp_path, flavour):
-    _hf_model(flavour, tmp_path / "hf")
+    """The tensors come back bit for bit, in the family's own class with its own RoPE
+    parameters (the Llama 3.x scaling included)."""
+    model = _hf_model(flavour, tmp_path / "hf")
+    architecture, flags = EXPORTED[flavour]
     assert import_hf.main(["--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
     assert export_hf.main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "back"),
-                           "--no-verify"]) == 0
+                           "--no-verify", *flags]) == 0
     original = safetensors.load_file(tmp_path / "hf" / "model.safetensors")
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     back = {}
     for file in set(index["weight_map"].values()):
         back.update(safetensors.load_file(tmp_path / "back" / file))
-    original.pop("lm_head.weight", None) if flavour != "llama" else None  # tied: not stored
+    if model.config.tie_word_embeddings:
+        original.pop("lm_head.weight", None)  # the embedding's: not stored in the export
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert config.architectures == [architecture]
+    if "rope_parameters" in CONFIGS[flavour] or flavour == "llama":
+        assert config.rope_parameters == model.config.rope_parameters
 
 
 @pytest.mark.parametrize(("change", "expected"), [
     ({"model_type": "t5"}, "unsupported Hugging Face model_type 't5'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
-], ids=["architecture", "activation", "rope scaling"])
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_type='yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+], ids=["architecture", "activation", "yarn", "dynamic", "linear"])
 def test_unsupported_config_is_one_line_and_writes_nothing(tmp_path, capsys, change, expected):
     _hf_model("llama", tmp_path / "hf")
     path = tmp_path / "hf" / "config.json"
@@ -170,8 +200,17 @@ DROP = object()  # a key removed from config.json
     ("llama", {"num_key_value_heads": 3}, "num_attention_heads=8, which "
      "num_key_value_heads=3 does not divide"),
     ("llama", {"rope_parameters": "default"}, "rope_parameters='default', expected an object"),
+    ("llama3", {"rope_parameters": {**LLAMA3_ROPE, "factor": DROP}}, "has no factor"),
+    ("llama3", {"rope_parameters": {**LLAMA3_ROPE, "high_freq_factor": 1.0}},
+     "high_freq_factor=1.0, which must exceed low_freq_factor=1.0"),
+    ("mistral", {"sliding_window": SEQ - 1}, f"sliding_window={SEQ - 1}, shorter than the "
+     f"training sequence ({SEQ} tokens): pass --seq-length {SEQ - 1} or less"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8, shorter "
+     f"than the training sequence ({SEQ} tokens)"),
+    ("mistral", {"head_dim": 8}, "head_dim=8"),
 ], ids=["missing key", "mistyped int", "heads", "untied gpt2", "mistyped float", "float int",
-        "mistyped bool", "groups", "rope not an object"])
+        "mistyped bool", "groups", "rope not an object", "llama3 without factor",
+        "llama3 frequency factors", "mistral window", "qwen2 window", "mistral head dim"])
 def test_a_config_problem_is_one_line_naming_the_key(tmp_path, capsys, flavour, change,
                                                      expected):
     _hf_model(flavour, tmp_path / "hf")
@@ -180,6 +219,8 @@ def test_a_config_problem_is_one_line_naming_the_key(tmp_path, capsys, flavour, 
     for key, value in change.items():
         if value is DROP:
             del config[key]
+        elif isinstance(value, dict):
+            config[key] = {k: v for k, v in value.items() if v is not DROP}
         else:
             config[key] = value
     path.write_text(json.dumps(config))

@@ -8,14 +8,17 @@ misplaced one shows), must give the logits of the matching transformers class wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron3d.cli.arguments import parse_args
 from megatron3d.config import ModelConfig
-from megatron3d.convert.hf import mapping
+from megatron3d.convert.hf import mapping, tensor_map
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import build_gpt
+from megatron3d.model.positional import rotary_frequencies
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import AxisGroup
 from tests.helpers.device import rank_device
@@ -24,6 +27,7 @@ from tests.helpers.tiny import train_argv
 transformers = pytest.importorskip("transformers")
 
 GQA = ("--group-query-attention", "--num-query-groups")
+LLAMA3 = ("--use-rope-scaling",)
 CASES = {
     "gpt2": ("gpt2",),
     "bloom, 6 heads (non-power-of-two ALiBi slopes)": ("bloom", "--hidden-size", "48",
@@ -34,6 +38,12 @@ CASES = {
     "llama, 1 group": ("llama", *GQA, "1"),
     "llama, tied head, rotary base 5e5": ("llama-tied", "--rotary-base", "500000",
                                           "--layernorm-epsilon", "1e-6"),
+    # head dim 8: wavelengths 6.3, 63, 628 and 6283 against 16 and 64 (a context of 64 over
+    # the high and low frequency factors): one frequency kept, one smoothed, two divided
+    "llama 3.x, rope scaling": ("llama", *GQA, "2", *LLAMA3, "--rope-scaling-factor", "4",
+                                "--rope-scaling-original-max-position-embeddings", "64"),
+    "qwen2: qkv bias, tied head": ("llama-tied", "--num-attention-heads", "8", *GQA, "2",
+                                   "--add-qkv-bias"),
 }
 
 
@@ -67,7 +77,7 @@ def _theirs(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> torch.nn.Modu
     config_class = transformers.CONFIG_MAPPING[config["model_type"]]
     model = transformers.AutoModelForCausalLM.from_config(
         config_class(**config), attn_implementation="eager").eval()
-    state = dict(pair for name, t in tensors.items() for pair in mapping.to_hf(cfg, name, t))
+    state = dict(pair for name, t in tensors.items() for pair in tensor_map.to_hf(cfg, name, t))
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if cfg.tie_embeddings:
@@ -123,8 +133,8 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(case):
 def test_tensors_round_trip_through_the_transformers_layout_bitwise(case):
     cfg, ours = _ours(case)
     tensors = _logical(ours)
-    theirs = dict(pair for name, t in tensors.items() for pair in mapping.to_hf(cfg, name, t))
-    back = dict(mapping.from_hf(cfg, list(tensors), theirs.__getitem__))
+    theirs = dict(pair for name, t in tensors.items() for pair in tensor_map.to_hf(cfg, name, t))
+    back = dict(tensor_map.from_hf(cfg, list(tensors), theirs.__getitem__))
     assert back.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert torch.equal(back[name], tensor), name
@@ -132,7 +142,9 @@ def test_tensors_round_trip_through_the_transformers_layout_bitwise(case):
 
 _SAME = ("num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size",
          "seq_length", "vocab_size", "position_embedding_type", "normalization", "swiglu",
-         "add_bias", "embed_layernorm", "tie_embeddings", "layernorm_epsilon")
+         "add_bias", "add_qkv_bias", "embed_layernorm", "tie_embeddings", "layernorm_epsilon",
+         "rotary_base", "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+         "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings")
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -141,3 +153,26 @@ def test_config_round_trips(case):
     rebuilt = ModelConfig(**mapping.model_fields(mapping.hf_config(cfg), cfg.seq_length))
     assert {k: getattr(rebuilt, k) for k in _SAME} == {k: getattr(cfg, k) for k in _SAME}
     assert mapping.hf_config(rebuilt) == mapping.hf_config(cfg)
+
+
+def test_llama3_frequencies_are_transformers_bitwise():
+    """Llama 3.1's and 3.2's RoPE scaling at their real sizes (head dim 128, base 5e5,
+    factors 8 and 32 over a context of 8192): the same inverse frequencies as transformers'
+    own ``llama3`` rope type, bit for bit, and different from the unscaled ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for factor in (8.0, 32.0):
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+        config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32,
+                                          rope_parameters=rope)
+        expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, None)
+        ours = ModelConfig(num_layers=1, hidden_size=4096, num_attention_heads=32,
+                           seq_length=16, vocab_size=8, position_embedding_type="rope",
+                           rotary_base=500000.0, use_rope_scaling=True,
+                           rope_scaling_factor=factor)
+        actual = rotary_frequencies(ours)
+        assert torch.equal(actual, expected), factor
+        plain = rotary_frequencies(dataclasses.replace(ours, use_rope_scaling=False))
+        assert (actual != plain).sum() > 16 and (actual == plain).sum() > 16

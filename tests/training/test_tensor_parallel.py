@@ -89,8 +89,6 @@ def _gqa(groups: int) -> tuple[str, ...]:
     return ("--group-query-attention", "--num-query-groups", str(groups))
 
 
-def _gqa_runs(tp: int) -> dict:
-    return {g: train(_argv("llama", tp, *_gqa(g))) for g in (2, 4)}
 
 
 def _folded_runs(tp: int) -> dict:
@@ -114,14 +112,28 @@ def test_folded_grouped_query_attention_under_tp_matches_single_process():
                 raise AssertionError(f"{flavour}, rank {rank}: {err}") from err
 
 
+# Qwen2's bias on the QKV projection alone, split over TP ranks like the weight's grouped
+# rows, with Llama 3's RoPE frequency scaling (at head dim 8: 3 of 4 frequencies changed).
+QWEN2_LLAMA3 = ("--add-qkv-bias", "--use-rope-scaling",
+                "--rope-scaling-original-max-position-embeddings", "64")
+GQA_CASES = {"2 groups": _gqa(2), "4 groups": _gqa(4),
+             "2 groups, qkv bias, rope scaling": (*_gqa(2), *QWEN2_LLAMA3)}
+
+
+def _gqa_runs(tp: int) -> dict:
+    return {name: train(_argv("llama", tp, *extra)) for name, extra in GQA_CASES.items()}
+
+
 def test_grouped_query_attention_under_tp_matches_single_process():
     """Llama with 4 query heads in 2 or 4 key/value groups: TP=2 keeps whole groups per rank.
-    (One group cannot be split over 2 ranks: validation refuses it.)"""
+    (One group cannot be split over 2 ranks: validation refuses it.) With a QKV bias (Qwen2)
+    and RoPE scaling (Llama 3.x) too."""
     results = run_distributed(_gqa_runs, 2, 2)
-    for groups in (2, 4):
-        reference = _reference("llama", _gqa(groups))
-        for rank, per_groups in enumerate(results):
+    for name, extra in GQA_CASES.items():
+        reference = _reference("llama", extra)
+        assert ("layers.0.attention.qkv.bias" in reference.params) == ("--add-qkv-bias" in extra)
+        for rank, per_case in enumerate(results):
             try:
-                assert_same_run(per_groups[groups], reference, FP32)
+                assert_same_run(per_case[name], reference, FP32)
             except AssertionError as err:
-                raise AssertionError(f"{groups} groups, rank {rank}: {err}") from err
+                raise AssertionError(f"{name}, rank {rank}: {err}") from err

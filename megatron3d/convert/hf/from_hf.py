@@ -1,6 +1,6 @@
 """Read a Hugging Face transformers model directory into a megatron3d checkpoint.
 
-GPT-2, BLOOM and Llama (with grouped-query attention) directories with ``config.json`` and
+GPT-2, BLOOM, Llama 2/3.x, Mistral and Qwen2 directories with ``config.json`` and
 safetensors weights (one file or shards with an index) or a ``pytorch_model.bin`` (read
 with the weights-only unpickler, so it cannot run code). The result is iteration 0 of a new
 series (``offline.py``) that ``pretrain_gpt.py --load DIR --use-checkpoint-args`` trains at
@@ -20,7 +20,7 @@ import torch
 
 from megatron3d.config import ModelConfig, ParallelConfig, TrainConfig, TrainingConfig
 from megatron3d.convert.contents import Layout, model_tensors, stage_params
-from megatron3d.convert.hf import mapping
+from megatron3d.convert.hf import mapping, tensor_map
 from megatron3d.convert.offline import write_checkpoint
 from megatron3d.errors import CheckpointError, ConfigError
 
@@ -134,6 +134,6 @@ def import_hf(hf_dir: str, save: str, tp: int, pp: int,
     cfg = TrainConfig(model=model, training=TrainingConfig(),
                       parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                               pipeline_model_parallel_size=pp))
-    pieces = [mapping.from_hf(model, names, get)
-              for names in mapping.pieces_by_layer([t.meta.name for t in model_tensors(model)])]
+    pieces = [tensor_map.from_hf(model, names, get)
+              for names in tensor_map.pieces_by_layer([t.meta.name for t in model_tensors(model)])]
     return write_checkpoint(Path(save), cfg, pieces)

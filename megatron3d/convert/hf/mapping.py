@@ -1,16 +1,11 @@
-"""Hugging Face transformers <-> megatron3d: architecture, config and tensor layouts.
+"""Hugging Face transformers <-> megatron3d: architectures and config.json.
 
 One model flavour maps to one transformers class: GPT-2 (learned positions, LayerNorm, GeLU,
 tied head) to ``GPT2LMHeadModel``, BLOOM (ALiBi, embedding LayerNorm) to ``BloomForCausalLM``,
-Llama-style (RoPE, RMSNorm, SwiGLU, no biases, grouped-query attention) to
-``LlamaForCausalLM``. Tensors go one at a time (callers stream them), as logical fp32 tensors
-on both sides: our names and layouts (see ``model/``) against transformers' names and layouts:
-
-- GPT-2's ``Conv1D`` stores weights as [in, out] (ours are [out, in]) and its fused QKV as
-  [q heads | k heads | v heads]; ours is per head [n, 3, d].
-- BLOOM's fused QKV is per head [n, 3, d], as ours.
-- Llama has separate q/k/v; ours is per query group [G, n/G + 2, d]. Its gate and up
-  projections are stacked [gate; up] in our ``fc1``. Both use the rotate-half RoPE.
+Llama-style (RoPE, optionally Llama 3.x-scaled, RMSNorm, SwiGLU, no biases, grouped-query
+attention) to ``LlamaForCausalLM`` (or ``MistralForCausalLM``, the same model when it has no
+sliding window), and the Llama style with a bias on q, k and v only to ``Qwen2ForCausalLM``.
+The tensors' names and layouts are ``tensor_map.py``'s.
 
 transformers itself is never imported here: the config is written as the JSON its classes read.
 """
@@ -18,20 +13,25 @@ transformers itself is never imported here: the config is written as the JSON it
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from megatron3d.config import ModelConfig
 from megatron3d.errors import ConfigError
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
-                 "llama": "LlamaForCausalLM"}
+                 "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+# The transformers families that hold each flavour exactly, the first by default.
+FAMILIES = {"gpt2": ("gpt2",), "bloom": ("bloom",), "llama": ("llama", "mistral"),
+            "qwen2": ("qwen2",)}
+_LLAMA_LIKE = "RoPE, RMSNorm, SwiGLU and"
+_TRAITS = {"gpt2": "GPT-2 has learned positions, LayerNorm, GeLU and biases",
+           "bloom": "BLOOM has ALiBi, an embedding LayerNorm, GeLU and biases",
+           "llama": f"Llama has {_LLAMA_LIKE} no biases",
+           "mistral": f"Mistral has {_LLAMA_LIKE} no biases",
+           "qwen2": f"Qwen2 has a bias on q, k and v, {_LLAMA_LIKE} no other biases"}
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-_GPT2_CONV1D = {"attention.dense": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
-Tensors = Iterator[tuple[str, torch.Tensor]]
 
 
 def flavour_of(m: ModelConfig) -> str:
@@ -45,19 +45,31 @@ def flavour_of(m: ModelConfig) -> str:
             and not m.group_query_attention and m.ffn_size == 4 * m.hidden_size:
         return "bloom"
     if traits == ("rope", "rmsnorm", True, False, False):
-        return "llama"
+        return "qwen2" if m.add_qkv_bias else "llama"
     raise ConfigError(
         f"no Hugging Face architecture matches this model (positions {traits[0]}, "
         f"{traits[1]}, swiglu {traits[2]}, biases {traits[3]}, embedding norm {traits[4]}, "
-        f"tied head {m.tie_embeddings}): export supports the GPT-2, BLOOM and Llama flavours "
-        "as the README's model flavours define them")
+        f"tied head {m.tie_embeddings}): export supports the GPT-2, BLOOM, Llama and Qwen2 "
+        "flavours as the README's model flavours define them")
 
 
-def hf_config(m: ModelConfig, eod: int | None = None) -> dict[str, Any]:
-    """config.json for ``m``'s transformers class (the logical, unpadded vocabulary).
-    ``eod``: the end-of-document token, which transformers' generate stops at; without one
-    the ids are null (transformers' defaults, e.g. GPT-2's 50256, would be wrong here)."""
-    flavour = flavour_of(m)
+def family_of(m: ModelConfig, family: str | None = None) -> str:
+    """The transformers family ``m`` is exported to: ``family`` (``--model-type``) when it
+    holds the model exactly, by default the flavour's first."""
+    holders = FAMILIES[flavour_of(m)]
+    if family is None or family in holders:
+        return family or holders[0]
+    raise ConfigError(f"--model-type {family} cannot hold this model: {_TRAITS[family]}; this "
+                      f"model exports as {' or '.join(holders)}")
+
+
+def hf_config(m: ModelConfig, eod: int | None = None,
+              family: str | None = None) -> dict[str, Any]:
+    """config.json for ``m``'s transformers class (the logical, unpadded vocabulary) in
+    ``family`` (``family_of``). ``eod``: the end-of-document token, which transformers'
+    generate stops at; without one the ids are null (transformers' defaults, e.g. GPT-2's
+    50256, would be wrong here)."""
+    flavour = family_of(m, family)
     common = {"architectures": [ARCHITECTURES[flavour]], "vocab_size": m.vocab_size,
               "tie_word_embeddings": m.tie_embeddings, "torch_dtype": "float32",
               "bos_token_id": eod, "eos_token_id": eod}
@@ -72,14 +84,24 @@ def hf_config(m: ModelConfig, eod: int | None = None) -> dict[str, Any]:
                 "hidden_size": m.hidden_size, "n_head": m.num_attention_heads,
                 "layer_norm_epsilon": m.layernorm_epsilon, "hidden_dropout": 0.0,
                 "attention_dropout": 0.0, "apply_residual_connection_post_layernorm": False}
-    return {**common, "model_type": "llama", "num_hidden_layers": m.num_layers,
+    rope = {"rope_type": "default", "rope_theta": m.rotary_base}
+    if m.use_rope_scaling:
+        rope = {**rope, "rope_type": "llama3", "factor": m.rope_scaling_factor,
+                "low_freq_factor": m.rope_scaling_low_freq_factor,
+                "high_freq_factor": m.rope_scaling_high_freq_factor,
+                "original_max_position_embeddings":
+                    m.rope_scaling_original_max_position_embeddings}
+    own = {"llama": {"attention_bias": False, "mlp_bias": False},
+           "mistral": {"sliding_window": None},
+           "qwen2": {"use_sliding_window": False, "sliding_window": None}}[flavour]
+    return {**common, "model_type": flavour, "num_hidden_layers": m.num_layers,
             "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size,
             "num_attention_heads": m.num_attention_heads,
             "num_key_value_heads": m.query_groups, "head_dim": m.head_dim,
             "max_position_embeddings": m.seq_length, "rms_norm_eps": m.layernorm_epsilon,
-            "rope_theta": m.rotary_base,  # transformers < 5 reads this, >= 5 the next line
-            "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base},
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+            # transformers < 5 reads rope_theta and rope_scaling, >= 5 rope_parameters
+            "rope_theta": m.rotary_base, "rope_scaling": rope if m.use_rope_scaling else None,
+            "rope_parameters": rope, "hidden_act": "silu", **own}
 
 
 def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
@@ -106,22 +128,33 @@ def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
                 "vocab_size": _int(hf, "vocab_size"), "position_embedding_type": "alibi",
                 "embed_layernorm": True,
                 "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5)}
-    if kind == "llama":
-        return _llama_fields(hf, seq_length)
+    if kind in ("llama", "mistral", "qwen2"):
+        return _llama_fields(hf, kind, seq_length)
     raise ConfigError(f"unsupported Hugging Face model_type {kind!r}: import supports gpt2, "
-                      "bloom and llama")
+                      "bloom, llama, mistral and qwen2")
 
 
-def _llama_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
+def _llama_fields(hf: dict[str, Any], kind: str, seq_length: int | None) -> dict[str, Any]:
+    """Llama, Mistral (Llama with a sliding window) and Qwen2 (Llama with a bias on q, k
+    and v, and an optional sliding window)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise _mistyped("rope_parameters", rope, "an object such as {\"rope_type\": "
                         "\"default\", \"rope_theta\": 10000.0}")
-    _require({"rope_type": rope.get("rope_type", rope.get("type", "default"))}, "rope_type",
-             lambda v: v == "default", "default (no RoPE scaling)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _require({"rope_type": rope_type}, "rope_type", lambda v: v in ("default", "llama3"),
+             "default or llama3 (Llama 3.x) RoPE")
     for key in ("attention_bias", "mlp_bias"):
         _require(hf, key, lambda v: not v, "false")
     _require(hf, "hidden_act", lambda v: v == "silu", "silu")
+    seq_length = seq_length or _int(hf, "max_position_embeddings")
+    # a window at least as long as the sequence is causal attention over all of it
+    window = hf.get("sliding_window", 4096) if kind == "mistral" or hf.get(
+        "use_sliding_window") else None
+    if window is not None and _int(hf, "sliding_window") < seq_length:
+        raise ConfigError(f"the Hugging Face config has sliding_window={window}, shorter than "
+                          f"the training sequence ({seq_length} tokens): pass --seq-length "
+                          f"{window} or less (megatron3d has no sliding-window attention)")
     heads, h = _int(hf, "num_attention_heads"), _int(hf, "hidden_size")
     _divisible(hf, "hidden_size", "num_attention_heads")
     _require(hf, "head_dim", lambda v: v in (None, h // heads), "hidden_size / heads")
@@ -131,12 +164,27 @@ def _llama_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
             "num_attention_heads": heads, "group_query_attention": groups != heads,
             "num_query_groups": groups if groups != heads else None,
             "ffn_hidden_size": _int(hf, "intermediate_size"),
-            "seq_length": seq_length or _int(hf, "max_position_embeddings"),
-            "vocab_size": _int(hf, "vocab_size"), "position_embedding_type": "rope",
-            "normalization": "rmsnorm", "swiglu": True, "disable_bias_linear": True,
+            "seq_length": seq_length, "vocab_size": _int(hf, "vocab_size"),
+            "position_embedding_type": "rope", "normalization": "rmsnorm", "swiglu": True,
+            "disable_bias_linear": True, "add_qkv_bias": kind == "qwen2",
             "untie_embeddings_and_output_weights": not _bool(hf, "tie_word_embeddings", False),
             "layernorm_epsilon": _float(hf, "rms_norm_eps", 1e-6),
-            "rotary_base": _float(rope, "rope_theta", _float(hf, "rope_theta", 10000.0))}
+            "rotary_base": _float(rope, "rope_theta", _float(hf, "rope_theta", 10000.0)),
+            **(_llama3_fields(rope) if rope_type == "llama3" else {})}
+
+
+def _llama3_fields(rope: dict[str, Any]) -> dict[str, Any]:
+    """Llama 3.x's RoPE scaling: every parameter required, as transformers requires them."""
+    low, high = (_float(rope, f"{k}_freq_factor", _REQUIRED) for k in ("low", "high"))
+    if high <= low:
+        raise ConfigError(f"the Hugging Face config has high_freq_factor={high}, which must "
+                          f"exceed low_freq_factor={low}: the file is damaged; fix one of them")
+    factor = _float(rope, "factor", _REQUIRED)
+    _require(rope, "factor", lambda v: v >= 1, "a factor of at least 1")
+    return {"use_rope_scaling": True, "rope_scaling_factor": factor,
+            "rope_scaling_low_freq_factor": low, "rope_scaling_high_freq_factor": high,
+            "rope_scaling_original_max_position_embeddings":
+                _int(rope, "original_max_position_embeddings")}
 
 
 def _require(hf: dict[str, Any], key: str, ok: Callable[[Any], bool], want: str) -> None:
@@ -169,7 +217,7 @@ def _int(hf: dict[str, Any], key: str, default: Any = _REQUIRED) -> int:
     return value
 
 
-def _float(hf: dict[str, Any], key: str, default: float) -> float:
+def _float(hf: dict[str, Any], key: str, default: Any) -> float:
     """An epsilon or a base: a finite number > 0."""
     value = _value(hf, key, default, "a number > 0")
     if isinstance(value, bool) or not isinstance(value, int | float) \
@@ -197,143 +245,3 @@ def _divisible(hf: dict[str, Any], total: str, parts: str) -> None:
 def _mistyped(key: str, value: Any, want: str) -> ConfigError:
     return ConfigError(f"the Hugging Face config.json has {key}={value!r}, expected {want}: "
                        "fix the value (the file is damaged or was edited by hand)")
-
-
-# --------------------------------------------------------------------------- tensors
-
-
-def _prefixes(flavour: str) -> dict[str, str]:
-    """Our name -> theirs for tensors that only move (no layout change), per layer or not."""
-    if flavour == "gpt2":
-        return {"embedding.word_embeddings.weight": "transformer.wte.weight",
-                "embedding.position_embeddings.weight": "transformer.wpe.weight",
-                "final_norm": "transformer.ln_f", "input_norm": "ln_1",
-                "post_attention_norm": "ln_2", "layers": "transformer.h"}
-    if flavour == "bloom":
-        return {"embedding.word_embeddings.weight": "transformer.word_embeddings.weight",
-                "embedding.norm": "transformer.word_embeddings_layernorm",
-                "final_norm": "transformer.ln_f", "input_norm": "input_layernorm",
-                "post_attention_norm": "post_attention_layernorm", "layers": "transformer.h",
-                "attention.qkv": "self_attention.query_key_value",
-                "attention.dense": "self_attention.dense", "mlp.fc1": "mlp.dense_h_to_4h",
-                "mlp.fc2": "mlp.dense_4h_to_h"}
-    return {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-            "final_norm": "model.norm", "input_norm": "input_layernorm",
-            "post_attention_norm": "post_attention_layernorm", "layers": "model.layers",
-            "attention.dense": "self_attn.o_proj", "mlp.fc2": "mlp.down_proj",
-            "output_layer.weight": "lm_head.weight"}
-
-
-def hf_name(flavour: str, name: str) -> str:
-    """Their name of one of our tensors that maps one to one."""
-    table = _prefixes(flavour)
-    if name in table:
-        return table[name]
-    if name.startswith("layers."):
-        _, index, rest = name.split(".", 2)
-        module, _, leaf = rest.rpartition(".")
-        return f"{table['layers']}.{index}.{table.get(module, module)}.{leaf}"
-    module, _, leaf = name.rpartition(".")
-    return f"{table[module]}.{leaf}"
-
-
-def pieces_by_layer(names: list[str]) -> list[list[str]]:
-    """Our logical names grouped so that one group is in memory at a time when converting:
-    the embeddings, final norm and head first, then one group per transformer layer."""
-    groups: dict[int, list[str]] = defaultdict(list)
-    for name in names:
-        groups[int(name.split(".")[1]) + 1 if name.startswith("layers.") else 0].append(name)
-    return [groups[k] for k in sorted(groups)]
-
-
-def to_hf(m: ModelConfig, name: str, tensor: torch.Tensor) -> Tensors:
-    """Their tensors for our logical tensor ``name`` (one, or q/k/v and gate/up apart)."""
-    flavour = flavour_of(m)
-    leaf = name.rsplit(".", 1)[-1]
-    layer = name.rsplit(".", 2)[0]  # "layers.3.attention"
-    if flavour == "gpt2":
-        if ".attention.qkv." in name:  # per head [n, 3, d] -> [3, n, d]; Conv1D [in, out]
-            moved = _per_head_to_stacked(tensor, m.num_attention_heads)
-            yield f"{_gpt2_layer(layer)}.attn.c_attn.{leaf}", _conv1d(moved)
-            return
-        for ours, theirs in _GPT2_CONV1D.items():
-            if f".{ours}." in name:
-                yield f"{_gpt2_layer(layer)}.{theirs}.{leaf}", _conv1d(tensor)
-                return
-    if flavour == "llama":
-        if ".attention.qkv." in name:
-            q, k, v = _split_groups(tensor, m)
-            base = f"{_llama_layer(layer)}.self_attn"
-            yield from ((f"{base}.q_proj.weight", q), (f"{base}.k_proj.weight", k),
-                        (f"{base}.v_proj.weight", v))
-            return
-        if ".mlp.fc1." in name:
-            gate, up = tensor.chunk(2, dim=0)
-            base = f"{_llama_layer(layer)}.mlp"
-            yield from ((f"{base}.gate_proj.weight", gate), (f"{base}.up_proj.weight", up))
-            return
-    yield hf_name(flavour, name), tensor.contiguous()
-
-
-def _gpt2_layer(layer: str) -> str:
-    return f"transformer.h.{layer.split('.')[1]}"
-
-
-def _llama_layer(layer: str) -> str:
-    return f"model.layers.{layer.split('.')[1]}"
-
-
-def _conv1d(t: torch.Tensor) -> torch.Tensor:
-    """GPT-2's Conv1D weight is [in, out]; a bias stays as it is."""
-    return t.t().contiguous() if t.dim() == 2 else t.contiguous()
-
-
-def _per_head_to_stacked(t: torch.Tensor, heads: int) -> torch.Tensor:
-    rest = t.shape[1:]
-    return t.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
-
-
-def _stacked_to_per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
-    rest = t.shape[1:]
-    return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(t.shape)
-
-
-def _split_groups(t: torch.Tensor, m: ModelConfig) -> tuple[torch.Tensor, ...]:
-    groups, d = m.query_groups, m.head_dim
-    per = m.num_attention_heads // groups
-    view = t.reshape(groups, per + 2, d, -1)
-    q = view[:, :per].reshape(groups * per * d, -1)
-    return q.contiguous(), view[:, per].reshape(groups * d, -1).contiguous(), \
-        view[:, per + 1].reshape(groups * d, -1).contiguous()
-
-
-def _join_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 m: ModelConfig) -> torch.Tensor:
-    groups, d = m.query_groups, m.head_dim
-    per = m.num_attention_heads // groups
-    h = q.shape[-1]
-    return torch.cat([q.reshape(groups, per, d, h), k.reshape(groups, 1, d, h),
-                      v.reshape(groups, 1, d, h)], dim=1).reshape(-1, h)
-
-
-def from_hf(m: ModelConfig, names: list[str], get: Callable[[str], torch.Tensor]) -> Tensors:
-    """Our logical tensors ``names`` from their tensors, read through ``get`` one at a time."""
-    flavour = flavour_of(m)
-    for name in names:
-        leaf = name.rsplit(".", 1)[-1]
-        layer = name.rsplit(".", 2)[0]
-        if flavour == "gpt2" and ".attention.qkv." in name:
-            stacked = _conv1d(get(f"{_gpt2_layer(layer)}.attn.c_attn.{leaf}"))
-            yield name, _stacked_to_per_head(stacked, m.num_attention_heads).contiguous()
-        elif flavour == "gpt2" and any(f".{p}." in name for p in _GPT2_CONV1D):
-            theirs = _GPT2_CONV1D[name.split(".", 2)[2].rsplit(".", 1)[0]]
-            yield name, _conv1d(get(f"{_gpt2_layer(layer)}.{theirs}.{leaf}"))
-        elif flavour == "llama" and ".attention.qkv." in name:
-            base = f"{_llama_layer(layer)}.self_attn"
-            yield name, _join_groups(*(get(f"{base}.{p}_proj.weight") for p in "qkv"), m)
-        elif flavour == "llama" and ".mlp.fc1." in name:
-            base = f"{_llama_layer(layer)}.mlp"
-            yield name, torch.cat([get(f"{base}.gate_proj.weight"),
-                                   get(f"{base}.up_proj.weight")])
-        else:
-            yield name, get(hf_name(flavour, name)).contiguous()

@@ -24,7 +24,7 @@ import torch
 from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.config import TrainConfig
 from megatron3d.convert.contents import Owned, check_contents, model_tensors
-from megatron3d.convert.hf import mapping
+from megatron3d.convert.hf import mapping, tensor_map
 from megatron3d.convert.standalone import model_of, saved_config, tokenizer_spec
 from megatron3d.convert.streaming import PeakMemory, logical_tensors
 from megatron3d.data.tokenizer import build_tokenizer
@@ -69,15 +69,17 @@ class ExportPlan:
     transformers: ModuleType | None  # None: no verification
 
 
-def plan_export(load: str, output: str, verify: bool = True) -> ExportPlan:
+def plan_export(load: str, output: str, verify: bool = True,
+                family: str | None = None) -> ExportPlan:
     """Everything an export of the newest checkpoint in ``load`` to the new directory
-    ``output`` can be refused for: the packages, the checkpoint and its contents, the
-    architecture, an existing output. Writes nothing."""
+    ``output`` (as transformers' ``family``, ``mapping.family_of``) can be refused for: the
+    packages, the checkpoint and its contents, the architecture, an existing output. Writes
+    nothing."""
     save_file = _safetensors_writer()
     transformers = _transformers() if verify else None
     reader = CheckpointReader.latest(load)
     cfg = saved_config(reader.meta)
-    config = mapping.hf_config(cfg.model, _eod(cfg))  # refuses a model no transformers class holds
+    config = mapping.hf_config(cfg.model, _eod(cfg), family)  # refuses a model no class holds
     owned = model_tensors(cfg.model)
     check_contents(reader, [(p, "weight") for p in owned])
     out = Path(output)
@@ -126,14 +128,14 @@ class _Sizes:
 def _write(reader: CheckpointReader, cfg: TrainConfig, owned: list[Owned], directory: Path,
            save_file: Callable[..., None]) -> _Sizes:
     """The safetensors shards (one per layer) and their index, streamed from ``reader``."""
-    shards = mapping.pieces_by_layer([p.meta.name for p in owned])
+    shards = tensor_map.pieces_by_layer([p.meta.name for p in owned])
     index: dict[str, str] = {}
     layer = largest = 0
     for number, names in enumerate(shards, 1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         tensors = dict(pair for name, _, logical in
                        logical_tensors(reader, ((n, "weight") for n in names))
-                       for pair in mapping.to_hf(cfg.model, name, logical))
+                       for pair in tensor_map.to_hf(cfg.model, name, logical))
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         layer, largest = max(layer, sum(sizes)), max(largest, *sizes)
         save_file(tensors, str(directory / file), metadata={"format": "pt"})

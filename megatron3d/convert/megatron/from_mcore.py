@@ -33,7 +33,7 @@ import torch
 from megatron3d.cli import arguments
 from megatron3d.config import ModelConfig, ParallelConfig, TrainConfig, TrainingConfig
 from megatron3d.convert.contents import Layout, Owned, model_tensors, stage_params
-from megatron3d.convert.hf import mapping
+from megatron3d.convert.hf import tensor_map
 from megatron3d.convert.megatron import args as mcore_args
 from megatron3d.convert.megatron.dcp_reader import DcpCheckpoint
 from megatron3d.convert.offline import write_checkpoint
@@ -159,7 +159,7 @@ def import_megatron(model: ModelConfig, directory: Path, save: str, tp: int,
                       parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                               pipeline_model_parallel_size=pp))
     pieces = [_read(ckpt, plan, names)
-              for names in mapping.pieces_by_layer([owned.meta.name for owned, _, _ in plan])]
+              for names in tensor_map.pieces_by_layer([owned.meta.name for owned, _, _ in plan])]
     with warnings.catch_warnings():  # DCP's note that it reads without a process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return write_checkpoint(Path(save), cfg, pieces)
