@@ -72,8 +72,9 @@ class PeakMemory:
 
     @property
     def growth(self) -> int:
-        """Bytes."""
-        return _peak_rss() - self._start
+        """Bytes, never negative: the kernel's page accounting can settle a page below the
+        mark read at the start (seen as -4 KiB), which is no growth."""
+        return max(0, _peak_rss() - self._start)
 
 
 def _peak_rss() -> int:
