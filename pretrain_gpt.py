@@ -60,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
                        "cuda" if devices.accelerator_available() else "cpu")
         check_paths(cfg.checkpoint, cfg.training.skip_train)  # before hang dumps go under --save
         backend = devices.resolve_backend(cfg.parallel.distributed_backend, env)
+        dev = devices.set_device(env.local_rank)
+        store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes,
+                                           backend, cfg.resilience.rendezvous_timeout)
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
-    dev = devices.set_device(env.local_rank)
-    store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes, backend)
     board = FailureBoard(store, env.rank)
     recorder = FlightRecorder(cfg.resilience.flight_recorder_size, devices.stream_marker(dev))
     with traffic.observing(recorder):

@@ -14,7 +14,8 @@ ALLOWED: dict[str, set[str]] = {
     # the ground floor: errors, the config dataclasses, the device, optional kernels, logging
     "errors": set(),
     "config": set(),
-    "device": {"errors"},
+    "rendezvous": {"errors"},
+    "device": {"rendezvous", "errors"},
     "kernels": set(),
     "log": {"device", "errors"},
     # the parallel machinery: TP (mpu), PP (pipeline), DP and ZeRO (zero), precision (optim)
