@@ -16,7 +16,6 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator
-from typing import BinaryIO
 
 import torch.distributed as dist
 
@@ -27,12 +26,11 @@ def join(rank: int, world_size: int, seconds: float) -> dist.Store:
     """The env:// store of a launched run, or ``ConfigError`` naming what did not come. The
     store's C++ client logs each failed try and its backtrace on stderr: held back while it
     tries, printed if it succeeds, dropped under the one line if it fails."""
-    with _held_stderr() as held:
+    with _held_stderr():
         try:
             store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
                                                timeout=datetime.timedelta(seconds=seconds)))
         except dist.DistError as err:
-            held.clear()
             raise ConfigError(_problem(str(err), rank, world_size, seconds)) from None
     return store
 
@@ -58,30 +56,20 @@ def _problem(message: str, rank: int, world_size: int, seconds: float) -> str:
             "start late")
 
 
-class _HeldOutput:
-    """What a block wrote on file descriptor 2, in a temporary file."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self.file = file
-
-    def clear(self) -> None:
-        self.file.truncate(0)
-
-
 @contextlib.contextmanager
-def _held_stderr() -> Iterator[_HeldOutput]:
+def _held_stderr() -> Iterator[None]:
     """Point file descriptor 2 (where C++ logs go) at a temporary file for the block, then
-    back; what was written comes out afterwards unless the block cleared it."""
+    back: what was written comes out if the block succeeds and is dropped if it raises."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as file:
         os.dup2(file.fileno(), 2)
         try:
-            yield _HeldOutput(file)
+            yield
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-            file.seek(0)
-            written = file.read()
-        if written:
-            os.write(2, written)
+        file.seek(0)
+        written = file.read()
+    if written:
+        os.write(2, written)

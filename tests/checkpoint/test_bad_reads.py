@@ -170,4 +170,4 @@ def test_use_checkpoint_args_names_a_mistyped_saved_value(copy, capsys, monkeypa
     _model_field(copy, key, value)
     _no_process_group(monkeypatch)
     argv = train_argv("gpt2", 5, "--load", str(copy), "--use-checkpoint-args")
-    _refused(argv, capsys, copy, named, "meta.json")
+    _refused(argv, capsys, copy, named, "meta.json", "drop --use-checkpoint-args")
