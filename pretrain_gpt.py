@@ -25,6 +25,7 @@ from megatron3d.mpu import traffic
 from megatron3d.mpu.state import ParallelState
 from megatron3d.mpu.topology import Topology
 from megatron3d.optim.batch_schedule import BatchSchedule
+from megatron3d.resilience import exit_record
 from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.resilience.flight_recorder import FlightRecorder
 from megatron3d.resilience.watchdog import Watchdog
@@ -60,11 +61,12 @@ def main(argv: list[str] | None = None) -> int:
                        "cuda" if devices.accelerator_available() else "cpu")
         check_paths(cfg.checkpoint, cfg.training.skip_train)  # before hang dumps go under --save
         backend = devices.resolve_backend(cfg.parallel.distributed_backend, env)
+        dev = devices.set_device(env.local_rank)
+        store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes,
+                                           backend, cfg.resilience.rendezvous_timeout)
     except Megatron3dError as err:
-        sys.stderr.write(f"error: {err}\n")
+        exit_record.report(2, f"error: {err}")
         return 2
-    dev = devices.set_device(env.local_rank)
-    store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes, backend)
     board = FailureBoard(store, env.rank)
     recorder = FlightRecorder(cfg.resilience.flight_recorder_size, devices.stream_marker(dev))
     with traffic.observing(recorder):
@@ -94,10 +96,10 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
         overrides = Overrides(hooks=Hooks(heartbeat=watchdog), observers=(watchdog.recorder,))
         build_trainer(cfg, state, dev, started, overrides).run()
     except Megatron3dError as err:
-        sys.stderr.write(f"error: {err}\n")
-        sys.stderr.flush()
+        code = 1 if isinstance(err, TrainingError) else 2
+        exit_record.report(code, f"error: {err}")
         watchdog.board.post()
-        return 1 if isinstance(err, TrainingError) else 2
+        return code
     except Exception as exc:  # a peer failed, or died, inside a collective
         if watchdog.board.stop_for_peer():
             return PEER_EXIT_CODE

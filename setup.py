@@ -20,6 +20,7 @@ setup(
             "megatron3d-import-hf = megatron3d.tools.import_hf:main",
             "megatron3d-import-megatron = megatron3d.tools.import_megatron:main",
             "megatron3d-inspect-checkpoint = megatron3d.tools.inspect_checkpoint:main",
+            "megatron3d-launch = megatron3d.tools.launch:main",
             "megatron3d-plan-topology = megatron3d.tools.plan_topology:main",
             "megatron3d-prepare-data-cache = megatron3d.tools.prepare_data_cache:main",
             "megatron3d-preprocess-data = megatron3d.tools.preprocess_data:main",

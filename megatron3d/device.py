@@ -11,6 +11,7 @@ import ctypes
 import datetime
 import os
 import resource
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from megatron3d import rendezvous
 from megatron3d.errors import ConfigError
 
 # Dense bf16 peak TFLOP/s per GPU, used for MFU when --peak-tflops is not given.
@@ -63,6 +65,13 @@ def check_rendezvous_env(env: LaunchEnv) -> None:
         raise ConfigError(f"invalid launcher environment variable (MASTER_PORT={port!r}): "
                           "expected a port number in 1..65535; launch with torchrun, or set "
                           "MASTER_PORT to a free port on the host of rank 0")
+    addr = os.environ["MASTER_ADDR"].strip()
+    try:  # the store's client would retry an unknown name until the rendezvous timeout
+        socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:
+        raise ConfigError(f"the launcher environment's MASTER_ADDR={addr!r} does not resolve "
+                          f"({getattr(err, 'strerror', None) or err}): set it to the host name "
+                          "or address of rank 0") from None
 
 
 def _env_int(name: str, low: int) -> int:
@@ -331,18 +340,21 @@ def describe(dev: torch.device) -> str:
 
 
 def init_process_group(env: LaunchEnv, timeout_minutes: float = 10.0,
-                       backend: str | None = None) -> dist.Store:
+                       backend: str | None = None,
+                       rendezvous_timeout_s: float = 300.0) -> dist.Store:
     """Join the job's process group and return its key-value store (the launcher's, under
     torchrun), through which a failing rank tells the others to stop. A plain one-process run
     gets a private in-memory store, so the code path (groups, collectives) is the same as under
     torchrun. ``timeout_minutes`` bounds every collective (--distributed-timeout-minutes);
-    ``backend`` is ``resolve_backend``'s answer (None: the device's default)."""
+    ``backend`` is ``resolve_backend``'s answer (None: the device's default); joining waits at
+    most ``rendezvous_timeout_s`` (--rendezvous-timeout), then raises ``ConfigError``."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not env.launched:
         store = dist.HashStore()
     else:
-        store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
-                                           timeout=timeout))
+        store = rendezvous.join(env.rank, env.world_size, rendezvous_timeout_s)
+        store.set_timeout(timeout)  # the store's later waits are the collectives' (peer stop)
     dist.init_process_group(backend or resolve_backend(None, env), store=store,
                             rank=env.rank, world_size=env.world_size, timeout=timeout)
     return store
+

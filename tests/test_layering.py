@@ -14,7 +14,8 @@ ALLOWED: dict[str, set[str]] = {
     # the ground floor: errors, the config dataclasses, the device, optional kernels, logging
     "errors": set(),
     "config": set(),
-    "device": {"errors"},
+    "rendezvous": {"errors"},
+    "device": {"rendezvous", "errors"},
     "kernels": set(),
     "log": {"device", "errors"},
     # the parallel machinery: TP (mpu), PP (pipeline), DP and ZeRO (zero), precision (optim)
@@ -25,8 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "zero": {"mpu", "pipeline", "config", "device", "errors"},
     "model": {"mpu", "pipeline", "config", "kernels", "device", "errors"},
     "data": {"config", "device", "errors", "log"},
-    # the native format and a run's save/load: no model, data or pipeline code
-    "checkpoint": {"mpu", "optim", "zero", "config", "device", "errors", "log"},
+    # the native format and a run's save/load: no model, data or pipeline code (cli: the
+    # saved flags of --use-checkpoint-args are checked as flags)
+    "checkpoint": {"mpu", "optim", "zero", "cli", "config", "device", "errors", "log"},
     # what a layout costs (memory, activations, FLOPs, model size): start-up checks, the log
     # line and the planner share it
     "accounting": {"mpu", "pipeline", "optim", "zero", "model", "config", "device", "errors"},

@@ -206,9 +206,11 @@ def test_four_node_command(bins: dict[str, Path], tmp_path: Path) -> None:
     script = SLURM_DIR / "pretrain_gpt.slurm"
     path = bins["failing-scontrol"]
     _, argv = render(path, script, "gpu[001-004]", 4, HOME=str(tmp_path), SLURM_NODEID="2")
-    # One srun task per node; each runs torchrun with SIGUSR1 ignored (see launch.sh).
-    torchrun = argv.index("torchrun")
+    # One srun task per node; each runs torchrun through tools/launch.py (the job exits with
+    # the failing rank's code) with SIGUSR1 ignored (see launch.sh).
+    torchrun = argv.index("python3")
     srun, wrapper, cmd = argv[:4], argv[4:torchrun], argv[torchrun:]
+    assert cmd[1] == str(REPO / "tools" / "launch.py")
     assert srun == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert wrapper[:2] == ["bash", "-c"] and 'trap "" USR1' in wrapper[2]
     assert value(cmd, "--nproc-per-node") == "8"

@@ -27,6 +27,7 @@ from megatron3d.log import get_logger
 logger = get_logger(__name__)
 
 INDEX = "index.json"
+INDEX_BYTES = 1 << 30  # bounds the read: a few hundred bytes per tensor and saving rank
 _LAYOUT = ("tp_size", "split_dim", "stride", "logical_rows", "local_shape")
 
 
@@ -107,8 +108,8 @@ def read_index(directory: Path, meta: dict[str, Any], opened: dict[int, dict]) -
     path = directory / INDEX
     if path.exists():
         try:
-            return _parse(path.read_bytes(), meta)
-        except (OSError, ValueError, RecursionError) as err:
+            return _parse(io.read_small(path, INDEX_BYTES), meta)
+        except (OSError, ValueError, RecursionError, CheckpointError) as err:
             logger.warning("%s is not usable (%s): reading the chunk lists of every rank file "
                            "instead", path, str(err)[:160])
     for rank in range(meta["layout"]["world_size"]):

@@ -13,11 +13,13 @@ directory must be shared by all nodes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import pickle
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,10 @@ LATEST = "latest"
 LEGACY_SERIES = ""  # the series of checkpoints written before meta.json named one
 _INT64_MAX = 2**63 - 1
 _ITERATION_DIGITS = 18  # more is past int64, and past any run (iterations stay below 2**32)
+# Bounds of the small files a load reads whole, far above what any save writes (``latest``
+# is one line; meta.json holds the config, a few KiB up to the longest --data-path lists).
+LATEST_BYTES = 4096
+META_BYTES = 1 << 24
 # Rank files are read with torch's weights-only unpickler: tensors and plain Python data,
 # never arbitrary classes, so loading cannot run code. Checkpoints written before the numpy
 # RNG state was stored as plain data hold one uint32 numpy array; these let it through.
@@ -121,6 +127,30 @@ def _in_series(directory: Path, series: str) -> bool:
         return False
 
 
+def read_small(path: Path, limit: int) -> bytes:
+    """The bytes of the small metadata file ``path`` (at most ``limit``), for every such read
+    of a checkpoint: a FIFO or device (a ``latest`` symlinked to one) would block or never
+    end, and a huge file would fill memory, so both are a ``CheckpointError`` naming the
+    file. Opened without blocking, then checked on the open file, which cannot change kind
+    between the check and the read. Other ``OSError``s are the caller's to word."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        kind = os.fstat(fd).st_mode
+        if stat.S_ISDIR(kind):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(kind):
+            raise CheckpointError(f"{path} is not a regular file (a FIFO, device or socket): "
+                                  "a checkpoint writes plain files; replace it with the file "
+                                  "itself, or --load another directory")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        size = os.stat(path).st_size
+        raise CheckpointError(f"{path} is {size} bytes, more than any save writes ({limit}): "
+                              "it is not this file or it is damaged; load an earlier "
+                              "checkpoint or --load another directory")
+    return data
+
+
 def read_latest(root: Path) -> int:
     path = root / LATEST
     if not path.exists():
@@ -128,7 +158,7 @@ def read_latest(root: Path) -> int:
                               "complete one: write the iteration to load into it, or --load "
                               "another directory")
     try:
-        text = path.read_bytes().decode("ascii").strip()
+        text = read_small(path, LATEST_BYTES).decode("ascii").strip()
     except (OSError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} cannot be read as an iteration number "
                               f"({type(err).__name__}); it is damaged: write the iteration "
@@ -178,7 +208,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint")
     try:
-        meta = json.loads(path.read_bytes().decode("utf-8"))
+        meta = json.loads(read_small(path, META_BYTES).decode("utf-8"))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err.msg}); the file is "
                               "damaged: load an earlier checkpoint") from None

@@ -25,6 +25,7 @@ from megatron3d.checkpoint.chunks import KINDS
 from megatron3d.checkpoint.progress import Progress, new_series
 from megatron3d.checkpoint.reader import find
 from megatron3d.checkpoint.saving import layout
+from megatron3d.cli.arguments import coerce, field_specs
 from megatron3d.config import ModelConfig, TrainConfig
 from megatron3d.errors import CheckpointError, ConfigError
 from megatron3d.log import get_logger
@@ -62,8 +63,13 @@ def with_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
     saved = dict(checkpoint_config(directory)["model"])
     saved.update({k: getattr(cfg.model, k) for k in RUN_ONLY_MODEL_FIELDS})
     known = {f.name for f in dataclasses.fields(ModelConfig)}  # older checkpoints lack new ones
-    return dataclasses.replace(cfg, model=ModelConfig(**{k: v for k, v in saved.items()
-                                                         if k in known}))
+    source = f"in {directory / 'meta.json'}, read by --use-checkpoint-args"
+    try:
+        values = {k: coerce(field_specs()[k], v, source) for k, v in saved.items() if k in known}
+    except ConfigError as err:  # json gives any type: checked as a YAML value would be
+        raise CheckpointError(f"{err}; the file is damaged: load an earlier checkpoint, or "
+                              "drop --use-checkpoint-args and pass the model flags") from None
+    return dataclasses.replace(cfg, model=ModelConfig(**values))
 
 
 def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:

@@ -7,14 +7,16 @@ requeued job that forgot ``--load`` would otherwise rewrite ``iter_0000001`` and
 ``latest`` (``--new-series`` says that is meant: a new series starts beside the old one,
 whose checkpoints ``--keep-last-n`` never prunes). ``--load`` takes the checkpoint root; an
 iteration directory or a file there would otherwise look empty and silently start from
-scratch. At load, each rank file must
-belong to the checkpoint its ``meta.json`` describes (a file copied in from another
-iteration or layout would install wrong state).
+scratch; the checkpoint it names must have every rank file its ranks saved, checked by
+every rank before any collective (a rank that failed alone inside the load would leave the
+others waiting). At load, each rank file must belong to the checkpoint its ``meta.json``
+describes (a file copied in from another iteration or layout would install wrong state).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ def check_paths(cfg: CheckpointConfig, skip_train: bool = False) -> None:
                                          cfg.exit_on_missing_checkpoint)) if on]
         if strict:  # a plain --load may find nothing: it starts from scratch
             require_checkpoint(cfg.load, strict[0])
+        check_loadable(Path(cfg.load))
     if cfg.save:
         check_save_dir(Path(cfg.save))
         if not cfg.new_series:
@@ -54,6 +57,49 @@ def check_load_root(root: Path) -> None:
     hint = next((p for p in root.parents if (p / io.LATEST).is_file()), root.parent)
     raise ConfigError(f"--load takes the checkpoint root, the directory holding "
                       f"'{io.LATEST}', not {what} ({root}): pass --load {hint}")
+
+
+def check_loadable(root: Path, rank: int | None = None) -> None:
+    """The checkpoint a load would read is whole on disk: ``latest``, its ``meta.json`` and
+    every rank file its layout names. Rank 0 stats each file (a regular file with bytes);
+    the others read one directory listing and stat only their own file, so a 384-rank start
+    costs the shared file system one listing per rank, not ranks x files stats. A rank that
+    finds nothing wrong goes on to the rendezvous, where the launcher stops it when the rank
+    that found the problem exits: no rank enters the load's collectives with a file missing.
+    ``rank`` defaults to the launcher's ``RANK``."""
+    if not io.has_checkpoints(root):
+        return
+    directory = io.iteration_dir(root, io.read_latest(root))
+    saved_by = io.read_meta(directory)["layout"]["world_size"]
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    listed = None if rank == 0 else {entry.name for entry in os.scandir(directory)}
+    for saved_rank in range(saved_by):  # stops at the first problem: the count may be damaged
+        path = io.rank_file(directory, saved_rank)
+        if listed is None or saved_rank == rank:
+            problem = _file_problem(path)
+        else:
+            problem = None if path.name in listed else "is missing"
+        if problem is not None:
+            raise CheckpointError(f"{path} {problem}, and the checkpoint needs all {saved_by} "
+                                  "rank files its ranks saved: restore it or load an earlier "
+                                  "checkpoint")
+
+
+def _file_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being read as a rank file, without opening it."""
+    try:
+        found = path.stat()
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    if not stat.S_ISREG(found.st_mode):
+        return "is not a regular file"
+    if found.st_size == 0:
+        return "is empty"
+    if not os.access(path, os.R_OK):
+        return "cannot be read (permission denied)"
+    return None
 
 
 def require_checkpoint(load: str, needed_by: str) -> None:

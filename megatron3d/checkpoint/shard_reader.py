@@ -97,7 +97,8 @@ def together(state: ParallelState, device: torch.device, work: Callable[[], T]) 
     if first == state.world_size:
         return result
     text = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
-    text[:len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+    if message:  # the ranks that succeeded receive the failing rank's message
+        text[:len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     text = comm.broadcast(text.to(device), state.world, src_index=first).cpu()
     raise CheckpointError(bytes(text.tolist()).rstrip(b"\0").decode(errors="replace"))
 

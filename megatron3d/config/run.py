@@ -149,6 +149,11 @@ class ResilienceConfig:
         10, "Timeout of every collective in the process group; every --hang-*-timeout must "
         "be below it, so the watchdog reports a hang before the backend aborts.",
         range=Range(1, 7 * 24 * 60))  # a week
+    rendezvous_timeout: float = option(
+        300.0, "Seconds a rank waits to join the job (all WORLD_SIZE ranks meeting at "
+        "MASTER_ADDR:MASTER_PORT) before it stops with one line naming what did not come: a "
+        "stray WORLD_SIZE or a wrong address would otherwise wait for the process-group "
+        "timeout.", range=Range(0, 7 * 24 * 3600, low_open=True))  # a week
     check_for_nan_in_loss_and_grad: bool = option(
         False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
         "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "

@@ -14,11 +14,14 @@ directory never race. The builder touches its lock every few seconds while it wo
 lock is stale, and is removed, when its holder was a process on this host that is gone, when
 nobody refreshed it for ``STALE_S`` (its holder died on another host), or when it is empty or
 garbled for longer than it takes to write one line (a crash between create and write).
+A directory shared read-only (caches built offline) is only read; an entry missing from it is
+one ``DataError`` line naming ``--data-cache-path``, not a fallback to another directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -143,6 +146,16 @@ def _try_lock(lock: str) -> bool:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        # A cache shared read-only is fine while it holds every entry a run needs; a missing
+        # one cannot be built there. No fallback elsewhere: every node's ranks must find the
+        # entries where their builder wrote them.
+        raise DataError(f"{os.path.dirname(lock)}: the index cache directory is not writable "
+                        f"({exc.strerror}) and lacks {os.path.basename(lock)[:-5]}: pass "
+                        "--data-cache-path DIR with a writable directory every node sees, or "
+                        "build the entries there with tools/prepare_data_cache.py") from None
     with os.fdopen(fd, "w") as f:
         f.write(f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n")
     return True

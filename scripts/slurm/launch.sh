@@ -19,7 +19,7 @@
 #   SETUP_HOOK         a bash file sourced before the launch, also in a dry run: `module load`,
 #                      `conda activate`, exports, or SRUN_ARGS for a container
 #   SRUN_ARGS          array of extra srun options, e.g. pyxis's --container-image=IMAGE
-#                      --container-mounts=... (torchrun is then looked up in the container)
+#                      --container-mounts=... (python3 is then looked up in the container)
 #   MEGATRON3D_DIR     the repository (default: the directory sbatch was run from)
 #   VENV               virtualenv to activate (default: MEGATRON3D_DIR/.venv when it exists;
 #                      VENV=none: none, e.g. with a container or a SETUP_HOOK)
@@ -245,8 +245,11 @@ MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
 
 # The same command runs on every node: c10d rendezvous numbers the nodes, so nothing here
 # depends on SLURM_NODEID, and the 8 ranks of a node are consecutive (TP stays inside a node).
+# tools/launch.py is torchrun (same options) whose exit code is the first failing rank's
+# (2 bad input, 3 a hang, 1 a run gone wrong; torchrun alone exits 1) and which prints that
+# rank's error line once; the job script exits with it (`exit "$STEP_RC"` below).
 TORCHRUN=(
-  torchrun
+  python3 "$MEGATRON3D_DIR/tools/launch.py"
   --nnodes "$SLURM_NNODES"
   --nproc-per-node "$GPUS_PER_NODE"
   --rdzv-backend c10d
@@ -256,7 +259,7 @@ TORCHRUN=(
   "${TRAIN_ARGS[@]}"
   "${OUTPUT_ARGS[@]}"
 )
-# One task per node; if one node's torchrun fails, srun kills the others instead of leaving
+# One task per node; if one node's launcher fails, srun kills the others instead of leaving
 # them waiting in a collective. The bash wrapper makes torchrun ignore SIGUSR1 (step 3 above).
 # (srun options take `=`: --kill-on-bad-exit's value is optional, so a separate 1 would be
 # read as the command.)
@@ -291,9 +294,10 @@ if [ -f "$VENV/bin/activate" ]; then
   # shellcheck source=/dev/null
   source "$VENV/bin/activate"
 fi
-# In a pyxis container (srun --container-image) torchrun is the image's, not this shell's.
+# In a pyxis container (srun --container-image) python3 is the image's, not this shell's.
 if [[ " ${SRUN_ARGS[*]} " != *" --container-image"* ]]; then
-  command -v torchrun >/dev/null || die "torchrun not found: activate an environment with torch"
+  python3 -c "import torch.distributed.run" 2>/dev/null \
+    || die "python3 cannot import torch: activate an environment with torch (VENV, SETUP_HOOK)"
 fi
 mkdir -p "$HANG_DIR"
 

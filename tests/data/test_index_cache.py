@@ -187,3 +187,43 @@ def test_a_corrupt_cache_key_is_one_clear_error(tmp_path):
                                             "directory") as err:
             cache.get_or_build("n", {"k": 1}, lambda: {"a": np.arange(2)})
         assert "\n" not in str(err.value)
+
+
+def _read_only(directory: Path, monkeypatch) -> None:
+    """``directory`` made read-only; as root (who writes anyway) creating a file in it fails
+    as it would for a user."""
+    directory.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.open
+
+        def refusing(path, flags, *args, **kwargs):
+            if flags & os.O_CREAT and Path(path).parent == directory:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refusing)
+
+
+def test_a_read_only_cache_directory_is_one_line_naming_the_flag(tmp_path, monkeypatch):
+    """Not a traceback from the lock file; no fallback elsewhere either: the ranks of every
+    node must find the entries where the builder wrote them."""
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    _read_only(cache_dir, monkeypatch)
+    with pytest.raises(DataError) as caught:
+        IndexCache(str(cache_dir)).get_or_build("n", {"k": 1}, _build_counted(
+            str(tmp_path / "log")))
+    message = str(caught.value)
+    assert "\n" not in message and "not writable" in message, message
+    assert "--data-cache-path" in message and "prepare_data_cache" in message, message
+    assert not (tmp_path / "log").exists() and os.listdir(cache_dir) == []
+
+
+def test_a_read_only_cache_directory_holding_the_entry_is_read(tmp_path, monkeypatch):
+    """Caches built offline and shared read-only are only read."""
+    cache_dir = tmp_path / "cache"
+    IndexCache(str(cache_dir)).get_or_build("n", {"k": 1}, _build_counted(str(tmp_path / "a")))
+    _read_only(cache_dir, monkeypatch)
+    arrays = IndexCache(str(cache_dir)).get_or_build("n", {"k": 1},
+                                                     _build_counted(str(tmp_path / "b")))
+    assert arrays["a"].tolist() == list(range(10)) and not (tmp_path / "b").exists()

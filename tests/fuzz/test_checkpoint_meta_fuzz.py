@@ -19,6 +19,10 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import pretrain_gpt
+from megatron3d.checkpoint.loading import with_checkpoint_args
+from megatron3d.cli.arguments import parse_args
+from megatron3d.errors import Megatron3dError
+from megatron3d.validation import validate
 from tests.fuzz.checkpoints import (
     ITER_DIR,
     RESUME_ITERS,
@@ -28,7 +32,7 @@ from tests.fuzz.checkpoints import (
     sane,
     save_valid_checkpoint,
 )
-from tests.fuzz.common import Labelled, assert_main_refuses, fuzz, tree_digest
+from tests.fuzz.common import Labelled, assert_main_refuses, attempt, fuzz, tree_digest
 from tests.helpers.tiny import train_argv
 
 
@@ -181,6 +185,7 @@ _ENTRY_CASES: dict[str, Callable[[Path], None]] = {
     "meta truncated": _file("meta.json", b'{"format_version": 1, "iter'),
     "meta negative samples": _meta_field("consumed_samples", -8),
     "meta nan adam step": _meta_field("adam_step", float("nan")),
+    "latest past its bound": _file("latest", b"3" + b" " * 5000),
 }
 
 
@@ -195,3 +200,27 @@ def test_pretrain_refuses_damaged_metadata(checkpoint: Path, case: str, tmp_path
     code = pretrain_gpt.main(train_argv("gpt2", RESUME_ITERS, "--load", str(root)))
     assert_main_refuses(code, capsys)
     assert tree_digest(root) == before
+
+
+def test_use_checkpoint_args_refuses_mistyped_model_values(checkpoint: Path,
+                                                           tmp_path: Path) -> None:
+    """Any JSON as a saved model value: --use-checkpoint-args takes it as that flag would
+    take it, or refuses it with one line (validation included), and changes no file."""
+    meta = json.loads((checkpoint / ITER_DIR / "meta.json").read_text())
+
+    @fuzz(max_examples=150)
+    @given(key=st.sampled_from(sorted(meta["config"]["model"])), value=JSON)
+    def check(key: str, value: Any) -> None:
+        root = copy_of(checkpoint, tmp_path)
+        path = root / ITER_DIR / "meta.json"
+        changed = json.loads(path.read_text())
+        changed["config"]["model"][key] = value
+        path.write_text(json.dumps(changed))
+        before = tree_digest(root)
+        cfg = parse_args(train_argv("gpt2", RESUME_ITERS, "--load", str(root),
+                                    "--use-checkpoint-args"))
+        _, err = attempt(lambda: validate(with_checkpoint_args(cfg), 1), Megatron3dError)
+        event("refused" if err else "taken")
+        assert tree_digest(root) == before
+
+    check()
