@@ -140,7 +140,9 @@ class ParallelConfig:
         range=AT_LEAST_ONE)
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, "Interleaved 1F1B, Megatron's other spelling: transformer layers per virtual "
-        "stage (v = layers / (PP x this)).", range=AT_LEAST_ONE)
+        "stage (v = layers / (PP x this)), in Megatron's layout whatever "
+        "--pp-partition-method says: the embedding with the first layers, the final norm and "
+        "output layer with the last.", range=AT_LEAST_ONE)
     sequence_parallel: bool = option(
         False, "Shard norms and dropout along the sequence inside TP groups (saves memory).")
     check_replicas_interval: int = option(
