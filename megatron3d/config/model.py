@@ -148,7 +148,11 @@ class ParallelConfig:
     check_replicas_interval: int = option(
         1000, "Check TP-replicated parameters are identical every N steps (0: only at start).",
         range=NON_NEGATIVE)
-    print_topology: bool = option(False, "Print the rank/group table for this layout and exit.")
+    print_topology: bool = option(
+        False, "Check the run as a launch would before its processes meet (every flag, the "
+        "data and checkpoint paths; not the memory fit or backend, which need the compute "
+        "node's devices), print the rank/group table for this layout and exit: 0, or 2 with "
+        "the error.")
     memory_headroom: float = option(
         0.10, "Share of device memory the predicted peak must leave free: a layout needing "
         "more than (1 - this) x the device's memory is refused at start (and not feasible "
