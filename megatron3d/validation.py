@@ -59,7 +59,8 @@ def _error(what: str, values: dict[str, Any], fix: str) -> ConfigError:
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ``ConfigError`` for the first problem in ``cfg`` run on ``world_size`` ranks."""
+    """Raise ``ConfigError`` for the first problem in ``cfg`` run on ``world_size`` ranks
+    (for the layout: every conflict it has, in one line)."""
     _check_required(cfg)
     _check_ranges(cfg)
     _check_data(cfg.data, cfg.model)
