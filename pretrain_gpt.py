@@ -2,7 +2,10 @@
 
 Launch with ``python pretrain_gpt.py ...`` (one process) or ``torchrun ... pretrain_gpt.py``;
 flags follow Megatron-DeepSpeed (``--help`` lists them). Bad input exits with code 2 and one
-line saying what to fix, before any process group or model exists.
+line saying what to fix, before any process group or model exists. ``--print-topology``
+makes the same checks (all but the memory fit and the backend, which need the compute node's
+devices) and prints the rank table instead of starting: ``LAUNCH_DRY_RUN=1`` of
+``scripts/slurm/launch.sh`` runs it for the allocation's world size.
 """
 
 from __future__ import annotations
@@ -43,23 +46,25 @@ def main(argv: list[str] | None = None) -> int:
         cfg, notices = parse_command_line(argv)
         cfg = with_checkpoint_args(cfg)
         env = devices.launch_env()  # after parsing, so --help works under any launcher
-        if cfg.parallel.print_topology:  # a planning aid: only the layout must be valid
-            table = Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
-                             cfg.parallel.pipeline_model_parallel_size).table()
-            if env.rank == 0:
-                sys.stdout.write(table + "\n")
-            return 0
         validate(cfg, env.world_size)
-        devices.check_rendezvous_env(env)
+        dry_run = cfg.parallel.print_topology  # LAUNCH_DRY_RUN: no launcher, no rendezvous
+        if not dry_run:
+            devices.check_rendezvous_env(env)
         if not cfg.data.mock_data:  # flags checked: now the files they name
             check_data_exists(cfg)
             check_vocabulary_fits(cfg)
         if cfg.data.dry_run_data:
             sys.stdout.write(_dry_run(cfg, env.world_size) + "\n")
             return 0
+        check_paths(cfg.checkpoint, cfg.training.skip_train)  # before hang dumps go under --save
+        if dry_run:  # what follows needs the compute node's devices
+            if env.rank == 0:
+                sys.stdout.write(Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
+                                          cfg.parallel.pipeline_model_parallel_size).table()
+                                 + "\n")
+            return 0
         fit.check_fits(cfg, env.world_size, devices.memory_capacity(env),
                        "cuda" if devices.accelerator_available() else "cpu")
-        check_paths(cfg.checkpoint, cfg.training.skip_train)  # before hang dumps go under --save
         backend = devices.resolve_backend(cfg.parallel.distributed_backend, env)
         dev = devices.set_device(env.local_rank)
         store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes,

@@ -10,7 +10,9 @@ learning-rate schedule (``LRSchedule``), the data split, the tokenizer's flags
 layer list, so too many stages fail here, not after the processes started). What is left
 below are the true cross-field rules nobody else owns. They raise
 ``ConfigError("<what is wrong> (<flag>=<value>): <how to fix>")``, in order, so a later check
-may rely on an earlier one (``hidden % heads`` runs after ``heads >= 1``).
+may rely on an earlier one (``hidden % heads`` runs after ``heads >= 1``). The exception is
+the layout: what the world size, TP, PP and the chunk count must fit is collected and reported
+in one line, so a run resumed on another layout learns every flag to change in one launch.
 
 ``tools/plan_topology.py`` calls ``validate`` on every layout it considers, so a layout it
 calls feasible is one ``pretrain_gpt.py`` accepts.
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from megatron3d.config import (
     SECTIONS,
@@ -40,7 +43,9 @@ from megatron3d.model.gpt import stage_bounds
 from megatron3d.mpu.topology import Topology
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
-from megatron3d.pipeline.interleaved import check_interleaving
+from megatron3d.pipeline.interleaved import interleaving_conflicts
+
+T = TypeVar("T")
 
 
 def flag(name: str) -> str:
@@ -55,15 +60,18 @@ def _error(what: str, values: dict[str, Any], fix: str) -> ConfigError:
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ``ConfigError`` for the first problem in ``cfg`` run on ``world_size`` ranks."""
+    """Raise ``ConfigError`` for the first problem in ``cfg`` run on ``world_size`` ranks
+    (for the layout: every conflict it has, in one line)."""
     _check_required(cfg)
     _check_ranges(cfg)
     _check_data(cfg.data, cfg.model)
     _check_model(cfg.model)
     _check_precision(cfg.precision)
+    if cfg.parallel.zero_stage not in ZERO_STAGES:
+        raise _error("unknown ZeRO stage", {"zero_stage": cfg.parallel.zero_stage},
+                     "use --zero-stage 0, 1 or 3")
     _check_layout(cfg, world_size)
-    _check_schedules(cfg, world_size)
-    _check_partition(cfg)
+    _check_lr_schedule(cfg, world_size)
     _check_checkpoint(cfg.checkpoint, cfg.lr_schedule.override_opt_param_scheduler,
                       cfg.lr_schedule.use_checkpoint_opt_param_scheduler,
                       cfg.training.skip_train)
@@ -219,10 +227,6 @@ def _check_rope_scaling(model: ModelConfig) -> None:
         raise _error("the high-frequency factor of RoPE scaling must exceed the low one", {
             "rope_scaling_high_freq_factor": high, "rope_scaling_low_freq_factor": low},
             "Llama 3.x uses 4 and 1")
-    if model.rope_scaling_factor < 1:
-        raise _error("RoPE scaling slows rotations down: its factor is at least 1",
-                     {"rope_scaling_factor": model.rope_scaling_factor},
-                     "pass the model's factor (8 for Llama 3.1, 32 for Llama 3.2)")
 
 
 def _check_query_groups(model: ModelConfig) -> None:
@@ -254,49 +258,79 @@ def _check_precision(precision: PrecisionConfig) -> None:
 
 
 def _check_layout(cfg: TrainConfig, world_size: int) -> None:
-    parallel = cfg.parallel
-    tp = parallel.tensor_model_parallel_size
-    Topology(world_size, tp, parallel.pipeline_model_parallel_size)  # the rank grid's owner
-    sizes = [("num_attention_heads", cfg.model.num_attention_heads),
-             ("num_query_groups", cfg.model.query_groups),
-             ("ffn_hidden_size", cfg.model.ffn_size)]
-    if parallel.sequence_parallel:  # activations are split along the sequence
-        sizes.append(("seq_length", cfg.model.seq_length))
-    for name, size in sizes:
-        if size % tp:
-            raise _error(f"{flag(name)} {size} is not divisible by the tensor-parallel size",
-                         {name: size, "tensor_model_parallel_size": tp},
-                         f"pick a --tensor-model-parallel-size that divides {size}")
+    """Every conflict of the layout with the model and batch flags, in one line: the rank
+    grid (``Topology``), the sizes TP splits, the batch schedule over its whole ramp
+    (``BatchSchedule``), the interleaved schedule and the partitioner. A check that needs
+    what an earlier one refused (DP needs the grid) is left out."""
+    parallel, conflicts = cfg.parallel, []
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    grid = _collect(conflicts, lambda: Topology(world_size, tp, pp))  # the rank grid's owner
+    conflicts += [str(_error(f"{what} is not divisible by the tensor-parallel size",
+                             {**shown, "tensor_model_parallel_size": tp},
+                             f"pick a --tensor-model-parallel-size that divides {size}"))
+                  for what, size, shown in _tp_split_sizes(cfg) if size % tp]
     if cfg.model.pad_vocab_size_to is not None:
-        check_vocab_padding(cfg.model.pad_vocab_size_to, tp,
-                            cfg.model.vocab_size if cfg.data.mock_data else None)
-    if parallel.zero_stage not in ZERO_STAGES:
-        raise _error("unknown ZeRO stage", {"zero_stage": parallel.zero_stage},
-                     "use --zero-stage 0, 1 or 3")
+        _collect(conflicts, lambda: check_vocab_padding(
+            cfg.model.pad_vocab_size_to, tp, cfg.model.vocab_size if cfg.data.mock_data else None))
+    schedule = None if grid is None else _collect(conflicts, lambda: BatchSchedule.from_config(
+        cfg.training, parallel.data_parallel_size(world_size)))
+    micro = ([size // schedule.samples_per_micro_batch_step for size in schedule.ramp_sizes()]
+             if schedule else None)
+    chunk_conflicts = interleaving_conflicts(parallel, cfg.model.num_layers, micro)
+    conflicts += chunk_conflicts
+    if not chunk_conflicts:  # the partitioner needs a chunk count that makes sense
+        _collect(conflicts, lambda: stage_bounds(
+            cfg.model, pp, parallel.pp_partition_method,
+            parallel.virtual_size(cfg.model.num_layers),
+            parallel.num_layers_per_virtual_pipeline_stage))
+    if len(conflicts) == 1:
+        raise ConfigError(conflicts[0])
+    if conflicts:
+        listed = "; ".join(f"({i}) {text}" for i, text in enumerate(conflicts, 1))
+        raise ConfigError(f"{len(conflicts)} settings conflict with the layout "
+                          f"(world size {world_size}): {listed}")
 
 
-def _check_schedules(cfg: TrainConfig, world_size: int) -> None:
-    """The owners of the batch schedule (its whole ramp), the interleaved pipeline schedule
-    (micro-batches per step at every ramp size) and the learning-rate schedule decide."""
+def _collect(conflicts: list[str], check: Callable[[], T]) -> T | None:
+    """``check()``'s result, or None with its ConfigError's line added to ``conflicts``."""
+    try:
+        return check()
+    except ConfigError as err:
+        conflicts.append(str(err))
+        return None
+
+
+def _tp_split_sizes(cfg: TrainConfig) -> list[tuple[str, int, dict[str, Any]]]:
+    """(what, size, the flags it comes from) of every size TP splits, named by the flags the
+    user sets: the query groups only with grouped-query attention, the MLP width by
+    --hidden-size when it is derived from it."""
+    model = cfg.model
+    heads = model.num_attention_heads
+    sizes = [(f"--num-attention-heads {heads}", heads, {"num_attention_heads": heads})]
+    if model.group_query_attention:
+        groups = model.num_query_groups
+        sizes.append((f"--num-query-groups {groups}", groups, {"num_query_groups": groups}))
+    if model.ffn_hidden_size is not None:
+        sizes.append((f"--ffn-hidden-size {model.ffn_size}", model.ffn_size,
+                      {"ffn_hidden_size": model.ffn_size}))
+    else:
+        sizes.append((f"the MLP width {model.ffn_size} (from --hidden-size)", model.ffn_size,
+                      {"hidden_size": model.hidden_size}))
+    if cfg.parallel.sequence_parallel:  # activations are split along the sequence
+        sizes.append((f"--seq-length {model.seq_length}", model.seq_length,
+                      {"seq_length": model.seq_length}))
+    return sizes
+
+
+def _check_lr_schedule(cfg: TrainConfig, world_size: int) -> None:
+    """The learning-rate schedule's owner decides, over the batch schedule's samples."""
     training = cfg.training
-    dp = cfg.parallel.data_parallel_size(world_size)
-    schedule = BatchSchedule.from_config(training, dp)  # validated on creation
-    unit = schedule.samples_per_micro_batch_step
-    check_interleaving(cfg.parallel, cfg.model.num_layers,
-                       [size // unit for size in schedule.ramp_sizes()])
+    schedule = BatchSchedule.from_config(training, cfg.parallel.data_parallel_size(world_size))
     iteration_based = training.train_iters is not None
     samples = (schedule.samples_for_iters(training.train_iters) if iteration_based
                else training.train_samples)
     LRSchedule.from_config(cfg.optimizer, cfg.lr_schedule, samples, schedule.samples_for_iters,
                            iteration_based)
-
-
-def _check_partition(cfg: TrainConfig) -> None:
-    """The partitioner's own checks on the model's real layer list: the method, and enough
-    weighted layers for every (virtual) pipeline stage."""
-    parallel = cfg.parallel
-    stage_bounds(cfg.model, parallel.pipeline_model_parallel_size, parallel.pp_partition_method,
-                 parallel.virtual_size(cfg.model.num_layers))
 
 
 def _check_checkpoint(checkpoint: CheckpointConfig, override: bool, keep: bool,

@@ -1,6 +1,7 @@
-"""pretrain_gpt.main as a launcher sees it: ``--print-topology`` prints the rank table on rank 0
-only and exits 0 without joining a process group or training; a world size that TP x PP does
-not divide exits 2 with one line on stderr, before anything starts.
+"""pretrain_gpt.main as a launcher sees it: ``--print-topology`` makes every start-up check a
+launch makes before its processes meet, then prints the rank table on rank 0 only and exits 0
+without joining a process group or training; a world size that TP x PP does not divide, or any
+other bad input, exits 2 with one line on stderr, before anything starts.
 
 The launcher environment (WORLD_SIZE, RANK) is set with monkeypatch, so ``main`` runs in this
 process exactly as it would under torchrun, minus the processes.
@@ -44,7 +45,7 @@ def _megatron_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize(("world", "tp", "pp"), [(2, 2, 1), (4, 4, 1), (16, 2, 2), (8, 1, 4)])
 def test_print_topology_prints_the_rank_table_and_exits(monkeypatch, capsys, world, tp, pp):
-    """A planning aid: any valid 3D layout prints, even ones this version cannot train yet."""
+    """Any 3D layout the run fits prints."""
     _launched_as(monkeypatch, world_size=world, rank=0)
     assert pretrain_gpt.main(_argv(tp, pp, "--print-topology")) == 0
     out, err = capsys.readouterr()
@@ -76,6 +77,31 @@ def test_world_size_not_divisible_by_tp_x_pp_exits_2(monkeypatch, capsys, world_
     assert err.endswith("\n") and err.count("\n") == 1, err
     assert err.startswith("error: ")
     assert f"world size {world_size}" in err and "--tensor-model-parallel-size" in err
+
+
+def _real_data(*extra: str) -> list[str]:
+    """``_argv`` reading --data-path (with the null tokenizer) instead of mock data."""
+    argv = _argv(*extra)
+    argv.remove("--mock-data")
+    return [*argv, "--tokenizer-type", "NullTokenizer"]
+
+
+@pytest.mark.parametrize(("world", "argv", "named"), [
+    (8, _argv(8, 1, "--num-attention-heads", "20", "--hidden-size", "160"),
+     "--num-attention-heads=20, --tensor-model-parallel-size=8"),
+    (2, _argv(1, 2, "--num-layers-per-virtual-pipeline-stage", "3"),
+     "--num-layers-per-virtual-pipeline-stage=3 needs --num-layers 2"),
+    (1, _real_data(1, 1, "--data-path", "/nonexistent/data/corpus_text_document"),
+     "there is no directory /nonexistent/data"),
+    (1, _argv(1, 1, "--load", "/nonexistent/ckpt", "--finetune"),
+     "--finetune needs a checkpoint to load"),
+])
+def test_print_topology_runs_every_start_up_check(monkeypatch, capsys, world, argv, named):
+    """What a launch would refuse after the queue wait, --print-topology (and so
+    LAUNCH_DRY_RUN) refuses now: the whole validation, the data and checkpoint paths."""
+    _launched_as(monkeypatch, world_size=world, rank=0)
+    assert pretrain_gpt.main([*argv, "--print-topology"]) == 2
+    assert named in _one_error_line(capsys)
 
 
 def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:

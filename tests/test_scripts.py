@@ -94,6 +94,14 @@ for prefix, ranges in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?", sys.argv[3]):
         for i in range(int(low or 0), int(high or low or 0) + 1):
             print(f"scontrol-{prefix}{i:0{len(low)}d}" if low else f"scontrol-{prefix}")
 '''
+# launch.sh's dry run runs pretrain_gpt.py --print-topology: here a stub that accepts any flags
+# (test_dry_run_runs_the_start_up_checks gives it the real interpreter).
+STUB_PYTHON = """#!/bin/sh
+exit 0
+"""
+REAL_PYTHON = f"""#!/bin/sh
+exec {shlex.quote(sys.executable)} "$@"
+"""
 KINDS = ("failing-scontrol", "no-scontrol", "working-scontrol")
 BASH = shutil.which("bash") or "/bin/bash"
 PORT = str(20000 + 12345 % 10000)  # launch.sh's default for job 12345
@@ -106,12 +114,15 @@ def _executable(path: Path, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A PATH folder per kind of machine; each holds nothing but its scontrol, so a dry run
-    that needed any other command would fail."""
+    """A PATH folder per kind of machine; each holds nothing but its scontrol and a stub
+    python, so a dry run that needed any other command would fail; "real-python" holds
+    only the interpreter running these tests."""
     root = tmp_path_factory.mktemp("bin")
-    folders = {kind: root / kind for kind in KINDS}
+    folders = {kind: root / kind for kind in (*KINDS, "real-python")}
     for folder in folders.values():
         folder.mkdir()
+        _executable(folder / "python", REAL_PYTHON if folder.name == "real-python"
+                    else STUB_PYTHON)
     _executable(folders["failing-scontrol"] / "scontrol", FAILING_SCONTROL)
     _executable(folders["working-scontrol"] / "scontrol",
                 WORKING_SCONTROL.replace("PYTHON", sys.executable, 1))
@@ -130,6 +141,7 @@ def slurm_env(path: str, job_name: str, nodelist: str, nodes: int, **extra: str)
 
 def dry_run(path: Path, script: Path, nodelist: str, nodes: int,
             **extra: str) -> subprocess.CompletedProcess:
+    extra = {"VENV": "none", **extra}  # the python on PATH, not the checkout's .venv
     env = slurm_env(str(path), script.stem, nodelist, nodes, LAUNCH_DRY_RUN="1", **extra)
     return subprocess.run([BASH, str(script)], env=env, capture_output=True, text=True,
                           check=False)
@@ -270,6 +282,21 @@ def test_bad_allocation_is_one_line(bins: dict[str, Path], tmp_path: Path, nodel
                    HOME=str(tmp_path), SETUP_HOOK=str(tmp_path / "hook.sh"))
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+def test_dry_run_runs_the_start_up_checks(bins: dict[str, Path], tmp_path: Path) -> None:
+    """LAUNCH_DRY_RUN exits 2 with pretrain_gpt.py's one line where the launch would fail
+    after the queue wait (here the data is not there yet; every check --print-topology makes
+    is in test_pretrain_cli.py), writing nothing; 0 where it would start."""
+    done = dry_run(bins["real-python"], SLURM_DIR / "gpt2_1.3b_1node.slurm", "g1", 1,
+                   HOME=str(tmp_path))
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert f"no dataset at data prefix '{tmp_path}/scratch/megatron3d/data/" in done.stderr
+    assert not (tmp_path / "scratch").exists()
+    lines, argv = render(bins["real-python"], SLURM_DIR / "cpu_tiny.slurm", "g1", 1,
+                         HOME=str(tmp_path))
+    assert lines[0].endswith("= TP 1 x PP 2 x DP 1") and argv[0] == "srun"
 
 
 def test_setup_hook_runs_before_the_launch(bins: dict[str, Path], tmp_path: Path) -> None:

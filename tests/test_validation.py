@@ -321,3 +321,23 @@ def test_not_yet_checks_come_after_the_real_ones():
 def test_grouped_query_attention_is_checked(overrides, world_size, expected):
     with pytest.raises(ConfigError, match=expected):
         validate(make(**overrides), world_size)
+
+
+def test_another_layout_reports_every_conflict_in_the_flags_the_user_typed():
+    """A resume on 64 ranks at TP 8 of a run made at TP 1: the heads and the sequence clash
+    with TP, and 3 micro-batches per step with PP 2 under interleaving, all in one line,
+    naming --num-layers-per-virtual-pipeline-stage as typed (not the derived chunk count) and
+    not --num-query-groups, which follows the heads unless grouped-query attention is on."""
+    cfg = make(num_layers=8, hidden_size=160, num_attention_heads=20, seq_length=1020,
+               sequence_parallel=True, tensor_model_parallel_size=8,
+               pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+               global_batch_size=24)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, 64)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("3 settings conflict with"), message
+    for text in ("--num-attention-heads=20", "--seq-length=1020",
+                 "--num-layers-per-virtual-pipeline-stage=1", "got 3"):
+        assert text in message, message
+    assert "--virtual-pipeline-model-parallel-size" not in message
+    assert "--num-query-groups" not in message

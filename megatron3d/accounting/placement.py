@@ -33,6 +33,8 @@ def placement(cfg: TrainConfig) -> Placement:
     """Where ``cfg``'s layers go (``cfg`` must have passed validation)."""
     parallel = cfg.parallel
     p, v = parallel.pipeline_model_parallel_size, parallel.virtual_size(cfg.model.num_layers)
-    stages = list(itertools.pairwise(stage_bounds(cfg.model, p, parallel.pp_partition_method, v)))
+    stages = list(itertools.pairwise(stage_bounds(
+        cfg.model, p, parallel.pp_partition_method, v,
+        parallel.num_layers_per_virtual_pipeline_stage)))
     names = layer_table(cfg.model)[0]
     return Placement(names, tuple(tuple(stages[c * p + r] for c in range(v)) for r in range(p)))

@@ -64,7 +64,7 @@ class ModelConfig:
         "the ones between blended.")
     rope_scaling_factor: float = option(
         8.0, "Llama 3.x RoPE scaling: what the low frequencies are divided by (8 for Llama "
-        "3.1, 32 for 3.2).", range=POSITIVE)
+        "3.1, 32 for 3.2); at least 1, as scaling only slows rotations.", range=AT_LEAST_ONE)
     rope_scaling_low_freq_factor: float = option(
         1.0, "Llama 3.x RoPE scaling: wavelengths above original context / this are scaled.",
         range=POSITIVE)
@@ -169,13 +169,19 @@ class ParallelConfig:
         range=AT_LEAST_ONE)
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, "Interleaved 1F1B, Megatron's other spelling: transformer layers per virtual "
-        "stage (v = layers / (PP x this)).", range=AT_LEAST_ONE)
+        "stage (v = layers / (PP x this)), in Megatron's layout whatever "
+        "--pp-partition-method says: the embedding with the first layers, the final norm and "
+        "output layer with the last.", range=AT_LEAST_ONE)
     sequence_parallel: bool = option(
         False, "Shard norms and dropout along the sequence inside TP groups (saves memory).")
     check_replicas_interval: int = option(
         1000, "Check TP-replicated parameters are identical every N steps (0: only at start).",
         range=NON_NEGATIVE)
-    print_topology: bool = option(False, "Print the rank/group table for this layout and exit.")
+    print_topology: bool = option(
+        False, "Check the run as a launch would before its processes meet (every flag, the "
+        "data and checkpoint paths; not the memory fit or backend, which need the compute "
+        "node's devices), print the rank/group table for this layout and exit: 0, or 2 with "
+        "the error.")
     memory_headroom: float = option(
         0.10, "Share of device memory the predicted peak must leave free: a layout needing "
         "more than (1 - this) x the device's memory is refused at start (and not feasible "

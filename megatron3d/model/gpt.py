@@ -18,7 +18,7 @@ from megatron3d.model.embedding import FinalNorm, InputEmbedding, InputNorm, Out
 from megatron3d.model.transformer import TransformerLayer
 from megatron3d.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron3d.mpu.state import AxisGroup
-from megatron3d.pipeline.partition import partition_layers
+from megatron3d.pipeline.partition import fixed_layout, layer_weights, partition_layers
 from megatron3d.pipeline.spec import LayerSpec, Stage, build_stage
 
 
@@ -56,12 +56,25 @@ def layer_table(model: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
             tuple(layer_param_counts(ctx)))
 
 
+def split_layers(names: list[str], counts: list[int], stages: int, method: str, chunks: int,
+                 per_chunk: int | None = None) -> list[int]:
+    """Boundaries of the ``stages`` x ``chunks`` (virtual) stages of the layer list: with
+    ``per_chunk`` (--num-layers-per-virtual-pipeline-stage) Megatron's layout of that many
+    transformer layers each, embedding first and head last, as its users expect whatever
+    the method; otherwise ``partition_layers`` by ``method``."""
+    if per_chunk is None:
+        return partition_layers(names, counts, stages, method, chunks)
+    layer_weights(names, counts, method)  # a bad method is still reported
+    return fixed_layout(names, TransformerLayer.__name__, stages * chunks, per_chunk)
+
+
 @functools.cache
-def stage_bounds(model: ModelConfig, stages: int, method: str, chunks: int) -> tuple[int, ...]:
-    """``partition_layers`` of the model's layers (``layer_table``) into ``stages`` x
-    ``chunks`` virtual stages, as ``build_engine`` splits them; cached like the table."""
+def stage_bounds(model: ModelConfig, stages: int, method: str, chunks: int,
+                 per_chunk: int | None = None) -> tuple[int, ...]:
+    """``split_layers`` of the model's layers (``layer_table``), as ``build_engine`` splits
+    them; cached like the table."""
     names, counts = layer_table(model)
-    return tuple(partition_layers(list(names), list(counts), stages, method, chunks))
+    return tuple(split_layers(list(names), list(counts), stages, method, chunks, per_chunk))
 
 
 def build_gpt(ctx: LayerContext) -> Stage:

@@ -59,29 +59,42 @@ def check_interleaving(parallel: ParallelConfig, num_layers: int,
                        micro_batches: list[int]) -> None:
     """``ConfigError`` (one line) unless the interleaved schedule can run this layout:
     ``micro_batches`` are the counts per step over the whole batch-size ramp."""
+    conflicts = interleaving_conflicts(parallel, num_layers, micro_batches)
+    if conflicts:
+        raise ConfigError(conflicts[0])
+
+
+def interleaving_conflicts(parallel: ParallelConfig, num_layers: int,
+                           micro_batches: list[int] | None) -> list[str]:
+    """Every reason the interleaved schedule cannot run this layout, one line each, naming
+    the chunk flag the user gave; ``micro_batches`` None when the batch sizes do not fit the
+    layout either (that check is then left out)."""
     per, given = (parallel.num_layers_per_virtual_pipeline_stage,
                   parallel.virtual_pipeline_model_parallel_size)
     p = parallel.pipeline_model_parallel_size
     if per is not None and given is not None:
-        raise ConfigError(f"{_PER_FLAG}={per} and {_SIZE_FLAG}={given} both set the chunks "
-                          "per pipeline rank: give one of them")
+        return [f"{_PER_FLAG}={per} and {_SIZE_FLAG}={given} both set the chunks per "
+                "pipeline rank: give one of them"]
     if per is not None and num_layers % (p * per):
-        raise ConfigError(f"{_PER_FLAG}={per} needs --num-layers {num_layers} to be a multiple "
-                          f"of PP x {per} = {p * per}: change one of them")
+        return [f"{_PER_FLAG}={per} needs --num-layers {num_layers} to be a multiple of "
+                f"PP x {per} = {p * per}: change one of them"]
     v = parallel.virtual_size(num_layers)
     if v <= 1:
-        return
+        return []
+    chunks = f"{_PER_FLAG}={per}" if per is not None else f"{_SIZE_FLAG}={v}"
+    conflicts = []
     if p < 2:
-        raise ConfigError(f"interleaving ({_SIZE_FLAG}={v}) needs pipeline parallelism "
-                          f"(--pipeline-model-parallel-size={p}): use PP >= 2 or drop it")
+        conflicts.append(f"interleaving ({chunks}) needs pipeline parallelism "
+                         f"(--pipeline-model-parallel-size={p}): use PP >= 2 or drop it")
     if parallel.pipeline_schedule != "1f1b":
-        raise ConfigError(f"interleaving ({_SIZE_FLAG}={v}) is a 1F1B schedule "
-                          f"(--pipeline-schedule={parallel.pipeline_schedule}): use 1f1b")
-    bad = sorted({m for m in micro_batches if m % p})
+        conflicts.append(f"interleaving ({chunks}) is a 1F1B schedule "
+                         f"(--pipeline-schedule={parallel.pipeline_schedule}): use 1f1b")
+    bad = sorted({m for m in micro_batches or () if m % p})
     if bad:
-        raise ConfigError(f"the interleaved schedule needs micro-batches per step in multiples "
-                          f"of PP = {p}, got {', '.join(map(str, bad))} ({_SIZE_FLAG}={v}): "
-                          "change --global-batch-size (and the ramp) or --micro-batch-size")
+        conflicts.append(f"the interleaved schedule needs micro-batches per step in multiples "
+                         f"of PP = {p}, got {', '.join(map(str, bad))} ({chunks}): change "
+                         "--global-batch-size (and the ramp) or --micro-batch-size")
+    return conflicts
 
 
 def interleaved_1f1b(num_stages: int, stage: int, num_micro_batches: int,

@@ -17,6 +17,10 @@ A zero-weight layer never decides a boundary: it joins the stage of the weighted
 it (leading ones join the first stage). So BLOOM's embedding norm stays with the embedding and
 the final norm with the last block.
 
+``--num-layers-per-virtual-pipeline-stage N`` instead fixes the layout as Megatron does
+(``fixed_layout``): N blocks per (virtual) stage, the embedding with the first blocks and the
+head with the last, whatever the method.
+
 Pure Python, no torch: the same code runs in tools and tests.
 """
 
@@ -83,6 +87,16 @@ def partition_layers(type_names: list[str], param_counts: list[int], num_stages:
     weighted = sum(1 for w in weights if w > 0)
     _check_stage_count(num_stages, weighted, _weighted_phrase(method, len(weights)), chunks)
     return partition(weights, num_stages * chunks)
+
+
+def fixed_layout(type_names: list[str], block_type: str, num_stages: int,
+                 per_stage: int) -> list[int]:
+    """Megatron's boundaries: each of ``num_stages`` (virtual) stages holds ``per_stage``
+    layers named ``block_type``; the layers before the first block (the embedding) join the
+    first stage, any other joins the block before it (so the head rides with the last)."""
+    blocks = [i for i, name in enumerate(type_names) if name == block_type]
+    assert len(blocks) == num_stages * per_stage, "validated: blocks = stages x per stage"
+    return [0] + [blocks[s * per_stage] for s in range(1, num_stages)] + [len(type_names)]
 
 
 def _weighted_phrase(method: str, num_layers: int) -> str:

@@ -29,7 +29,7 @@ from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.data.vocab_padding import check_vocab_padding
 from megatron3d.log import every_rank_logger, get_logger
 from megatron3d.model.context import LayerContext
-from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss
+from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss, split_layers
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.replicas import check_tp_replicas, counted_once
 from megatron3d.mpu.state import ParallelState
@@ -38,7 +38,7 @@ from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.optim.optimizer import format_param_groups
 from megatron3d.pipeline.engine import PipelineEngine, ProgramObserver
-from megatron3d.pipeline.partition import format_partition_table, partition_layers
+from megatron3d.pipeline.partition import format_partition_table
 from megatron3d.pipeline.spec import VirtualStages, build_chunks
 from megatron3d.pipeline.tied import TiedWeights
 from megatron3d.training.data_setup import Datasets, build_run_data
@@ -174,7 +174,8 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
     specs = gpt_layer_specs(ctx)
     names, counts = [s.type_name for s in specs], layer_param_counts(ctx)
     p, v = state.pp.size, cfg.parallel.virtual_size(cfg.model.num_layers)
-    bounds = partition_layers(names, counts, p, cfg.parallel.pp_partition_method, v)
+    bounds = split_layers(names, counts, p, cfg.parallel.pp_partition_method, v,
+                          cfg.parallel.num_layers_per_virtual_pipeline_stage)
     logger.info(format_partition_table(bounds, size.labels, size.counts, size.tied, p))
     spans = [(bounds[c * p + state.pp.rank], bounds[c * p + state.pp.rank + 1])
              for c in range(v)]  # chunk c is virtual stage c * p + rank

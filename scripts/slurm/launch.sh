@@ -26,9 +26,12 @@
 #   MASTER_PORT        rendezvous port (default: 20000 + job id % 10000, so that two jobs
 #                      sharing a first node do not collide)
 #   REQUEUE_ON_SIGNAL  1 (default): after a SIGUSR1-triggered save, requeue the job; 0: stop
-#   LAUNCH_DRY_RUN     1: print the layout, the outputs and the srun command line, run nothing.
-#                      Needs no Slurm: fake the allocation with SLURM_JOB_ID, SLURM_JOB_NAME,
-#                      SLURM_JOB_NODELIST (e.g. gpu[001-004]) and SLURM_NNODES.
+#   LAUNCH_DRY_RUN     1: make pretrain_gpt.py's start-up checks for this world size (python
+#                      --print-topology: flags, data and checkpoint paths; exit 2 with its
+#                      one line), then print the layout, the outputs and the srun command
+#                      line, run nothing. Needs no Slurm: fake the allocation with
+#                      SLURM_JOB_ID, SLURM_JOB_NAME, SLURM_JOB_NODELIST (e.g. gpu[001-004])
+#                      and SLURM_NNODES.
 #
 # How the time-limit warning becomes a checkpoint (the scripts set `--signal=B:USR1@SECONDS`):
 #   1. Slurm sends SIGUSR1 to this batch shell only (the "B:"); the trap below catches it.
@@ -282,20 +285,34 @@ describe() {
   echo "${prefix}outputs: $OUTPUTS"
 }
 
+VENV="${VENV:-$MEGATRON3D_DIR/.venv}"
+if [ -f "$VENV/bin/activate" ]; then
+  # shellcheck source=/dev/null
+  source "$VENV/bin/activate"
+fi
+IN_CONTAINER=0
+[[ " ${SRUN_ARGS[*]} " != *" --container-image"* ]] || IN_CONTAINER=1
+
 if [ "${LAUNCH_DRY_RUN:-0}" = 1 ]; then
+  # Every check a worker makes at start before the processes meet (flags, data and checkpoint
+  # paths), for this world size: its one-line error and exit 2 now, not after the queue wait.
+  PYTHON=$(command -v python || command -v python3 || true)
+  if [ -n "$PYTHON" ]; then
+    WORLD_SIZE=$WORLD_SIZE RANK=0 LOCAL_RANK=0 "$PYTHON" "$MEGATRON3D_DIR/pretrain_gpt.py" \
+      "${TRAIN_ARGS[@]}" "${OUTPUT_ARGS[@]}" --print-topology >/dev/null || exit $?
+  elif [ "$IN_CONTAINER" = 1 ]; then
+    echo "# start-up checks not made: no python outside the container (it makes them at launch)"
+  else
+    die "no python to check the flags with: activate an environment with torch (VENV or SETUP_HOOK)"
+  fi
   describe "# "
   printf '%q ' "${SRUN[@]}"
   printf '\n'
   exit 0
 fi
 
-VENV="${VENV:-$MEGATRON3D_DIR/.venv}"
-if [ -f "$VENV/bin/activate" ]; then
-  # shellcheck source=/dev/null
-  source "$VENV/bin/activate"
-fi
 # In a pyxis container (srun --container-image) python3 is the image's, not this shell's.
-if [[ " ${SRUN_ARGS[*]} " != *" --container-image"* ]]; then
+if [ "$IN_CONTAINER" = 0 ]; then
   python3 -c "import torch.distributed.run" 2>/dev/null \
     || die "python3 cannot import torch: activate an environment with torch (VENV, SETUP_HOOK)"
 fi

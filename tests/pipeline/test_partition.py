@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from megatron3d.accounting.placement import placement
+from megatron3d.cli.arguments import parse_args
 from megatron3d.errors import ConfigError
 from megatron3d.pipeline.partition import (
     TiedCopy,
@@ -16,6 +18,7 @@ from megatron3d.pipeline.partition import (
     partition,
     partition_layers,
 )
+from tests.helpers.tiny import train_argv
 
 BLOOM_METHOD = "type:transformer|embedding"
 
@@ -191,3 +194,20 @@ def test_partition_table_counts_a_tied_weight_once() -> None:
     assert two[2].split()[:2] == ["1", "352"]
     assert two[2].endswith("output layer (+ 100 tied copy of embedding)")
     assert two[-1].split()[:2] == ["total", "804"]
+
+
+@pytest.mark.parametrize("method", ["uniform", "parameters", BLOOM_METHOD, "type:transformer"])
+@pytest.mark.parametrize("flavour", ["gpt2", "bloom", "llama"])
+def test_layers_per_virtual_stage_give_megatrons_layout(flavour: str, method: str) -> None:
+    """--num-layers-per-virtual-pipeline-stage N: every virtual stage holds N blocks, the
+    embedding (and its norm) rides with the first ones, the final norm and the head with the
+    last ones, whatever --pp-partition-method says (a real vocabulary: the embedding outweighs
+    two blocks)."""
+    cfg = parse_args(train_argv(flavour, 10, "--num-layers", "8", "--vocab-size", "8000",
+                                "--pp-partition-method", method,
+                                "--pipeline-model-parallel-size", "2",
+                                "--num-layers-per-virtual-pipeline-stage", "2"))
+    blocks = ("TransformerLayer",) * 2
+    first = ("InputEmbedding",) + (("InputNorm",) if flavour == "bloom" else ()) + blocks
+    assert placement(cfg).virtual_stages == [first, blocks, blocks,
+                                             blocks + ("FinalNorm", "OutputEmbedding")]

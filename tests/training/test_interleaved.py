@@ -69,10 +69,11 @@ def test_posting_transfers_as_on_nccl():
 
 
 def test_pp4_with_two_and_three_chunks():
-    """PP=4: 8 blocks in Megatron's spelling (1 block per virtual stage by type), and 9
-    blocks over 4 x 3 virtual stages, uniform (the embeddings count as layers)."""
+    """PP=4: 8 blocks in Megatron's spelling, which gives Megatron's layout whatever the
+    method (1 block per virtual stage, the embedding with the first, the head with the last),
+    and 9 blocks over 4 x 3 virtual stages, uniform (the embeddings count as layers)."""
     per_stage = ("--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
-                 "1", "--pp-partition-method", "type:transformer")
+                 "1", "--pp-partition-method", "type:transformer|embedding")
     _check(4, [("gpt2", 8, per_stage), ("llama", 9, _layout(4, 3, "--pp-partition-method",
                                                             "uniform"))])
 
