@@ -142,6 +142,12 @@ class ResilienceConfig:
         10, "Timeout of every collective in the process group; every --hang-*-timeout must "
         "be below it, so the watchdog reports a hang before the backend aborts.",
         range=Range(1, 7 * 24 * 60))  # a week
+    max_skipped_iters_in_a_row: int = option(
+        200, "Stop with an error (exit 1, nothing saved) once this many steps in a row were "
+        "skipped (non-finite gradients: a diverged run, or an fp16 loss scale that always "
+        "overflows); checked at each log line and save; 0 never stops. The default is above "
+        "the fp16 dynamic scaler's start (2**32 down to its working scale, --hysteresis "
+        "overflows per halving).", range=Range(0, 2**32))
     check_for_nan_in_loss_and_grad: bool = option(
         False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
         "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "
