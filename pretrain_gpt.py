@@ -7,8 +7,11 @@ line saying what to fix, before any process group or model exists.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,7 +19,8 @@ import torch.distributed as dist
 from megatron3d import device as devices
 from megatron3d.accounting import fit
 from megatron3d.checkpoint.loading import with_checkpoint_args
-from megatron3d.checkpoint.safety import check_paths
+from megatron3d.checkpoint.safety import check_output_dir, check_paths, check_series
+from megatron3d.checkpoint.save_lock import SaveLock
 from megatron3d.cli.arguments import format_config, parse_command_line
 from megatron3d.config import TrainConfig
 from megatron3d.data.builder import check_sources_exist, parse_data_path
@@ -28,7 +32,7 @@ from megatron3d.mpu.topology import Topology
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.resilience.flight_recorder import FlightRecorder
-from megatron3d.resilience.watchdog import Watchdog
+from megatron3d.resilience.watchdog import Watchdog, default_dump_dir
 from megatron3d.training.build import Overrides, build_trainer, run_length, valid_samples
 from megatron3d.training.data_setup import dry_run
 from megatron3d.training.loop import Hooks
@@ -50,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(table + "\n")
             return 0
         validate(cfg, env.world_size)
+        if _kill_switch_pressed(cfg, env.rank):
+            return 0
         devices.check_rendezvous_env(env)
         if not cfg.data.mock_data:  # flags checked: now the files they name
             check_sources_exist(parse_data_path(cfg.data.data_path, cfg.data.data_path_file))
@@ -59,10 +65,19 @@ def main(argv: list[str] | None = None) -> int:
         fit.check_fits(cfg, env.world_size, devices.memory_capacity(env),
                        "cuda" if devices.accelerator_available() else "cpu")
         check_paths(cfg.checkpoint, cfg.training.skip_train)  # before hang dumps go under --save
+        _check_outputs(cfg)
         backend = devices.resolve_backend(cfg.parallel.distributed_backend, env)
+        lock = _lock_save(cfg, env.rank)
     except Megatron3dError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
+    with lock:
+        return _run(cfg, env, backend, started, notices)
+
+
+def _run(cfg: TrainConfig, env: devices.LaunchEnv, backend: str, started: float,
+         notices: list[str]) -> int:
+    """Join the process group and train, with the hang watchdog and flight recorder on."""
     dev = devices.set_device(env.local_rank)
     store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes, backend)
     board = FailureBoard(store, env.rank)
@@ -107,6 +122,44 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
             logger.error("rank %d wrote %s", state.world_rank, path)
         raise
     return 0
+
+
+def _kill_switch_pressed(cfg: TrainConfig, rank: int) -> bool:
+    """A kill switch already there stops the job at once (said once, by rank 0), as the one
+    met during training does, but before anything is loaded, trained or saved."""
+    switch = cfg.checkpoint.kill_switch_path
+    if not (switch and os.path.exists(switch)):
+        return False
+    if rank == 0:
+        sys.stdout.write(f"kill switch {switch} exists at start-up: exiting without training "
+                         "or saving anything; remove it to run\n")
+    return True
+
+
+def _check_outputs(cfg: TrainConfig) -> None:
+    """The directories the run writes besides --save (checked with it) must be directories it
+    can write, or the run would die in its first write: TensorBoard's on the logging rank,
+    every rank's hang dump."""
+    if cfg.logging.tensorboard_dir:
+        check_output_dir(Path(cfg.logging.tensorboard_dir), "--tensorboard-dir")
+    dumps = default_dump_dir(cfg.resilience.hang_dump_dir, cfg.checkpoint.save)
+    check_output_dir(dumps, "--hang-dump-dir" if cfg.resilience.hang_dump_dir
+                     else f"--hang-dump-dir (default {dumps})")
+
+
+def _lock_save(cfg: TrainConfig, rank: int) -> contextlib.AbstractContextManager:
+    """Rank 0 holds --save for the run's life (``save_lock.py``), then checks the series
+    again: a run that ended between the first check and the lock may have saved there."""
+    if not cfg.checkpoint.save or rank != 0:
+        return contextlib.nullcontext()
+    lock = SaveLock.take(Path(cfg.checkpoint.save))
+    if not cfg.checkpoint.new_series:
+        try:
+            check_series(Path(cfg.checkpoint.save), cfg.checkpoint.load, cfg.checkpoint.finetune)
+        except Megatron3dError:
+            lock.release()
+            raise
+    return lock
 
 
 def _dry_run(cfg: TrainConfig, world_size: int) -> str:
