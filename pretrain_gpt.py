@@ -10,8 +10,11 @@ devices) and prints the rank table instead of starting: ``LAUNCH_DRY_RUN=1`` of
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +22,8 @@ import torch.distributed as dist
 from megatron3d import device as devices
 from megatron3d.accounting import fit
 from megatron3d.checkpoint.loading import with_checkpoint_args
-from megatron3d.checkpoint.safety import check_paths
+from megatron3d.checkpoint.safety import check_output_dir, check_paths, check_series
+from megatron3d.checkpoint.save_lock import SaveLock
 from megatron3d.cli.arguments import format_config, parse_command_line
 from megatron3d.config import TrainConfig
 from megatron3d.errors import Megatron3dError, TrainingError
@@ -31,7 +35,7 @@ from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.resilience import exit_record
 from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.resilience.flight_recorder import FlightRecorder
-from megatron3d.resilience.watchdog import Watchdog
+from megatron3d.resilience.watchdog import Watchdog, default_dump_dir
 from megatron3d.training.build import Overrides, build_trainer, run_length, valid_samples
 from megatron3d.training.data_setup import check_data_exists, check_vocabulary_fits, dry_run
 from megatron3d.training.loop import Hooks
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         validate(cfg, env.world_size)
         dry_run = cfg.parallel.print_topology  # LAUNCH_DRY_RUN: no launcher, no rendezvous
         if not dry_run:
+            if _kill_switch_pressed(cfg, env.rank):
+                return 0
             devices.check_rendezvous_env(env)
         if not cfg.data.mock_data:  # flags checked: now the files they name
             check_data_exists(cfg)
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(_dry_run(cfg, env.world_size) + "\n")
             return 0
         check_paths(cfg.checkpoint, cfg.training.skip_train)  # before hang dumps go under --save
+        _check_outputs(cfg)
         if dry_run:  # what follows needs the compute node's devices
             if env.rank == 0:
                 sys.stdout.write(Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
@@ -66,10 +73,22 @@ def main(argv: list[str] | None = None) -> int:
         fit.check_fits(cfg, env.world_size, devices.memory_capacity(env),
                        "cuda" if devices.accelerator_available() else "cpu")
         backend = devices.resolve_backend(cfg.parallel.distributed_backend, env)
+        lock = _lock_save(cfg, env.rank)
+    except Megatron3dError as err:
+        exit_record.report(2, f"error: {err}")
+        return 2
+    with lock:
+        return _run(cfg, env, backend, started, notices)
+
+
+def _run(cfg: TrainConfig, env: devices.LaunchEnv, backend: str, started: float,
+         notices: list[str]) -> int:
+    """Join the process group and train, with the hang watchdog and flight recorder on."""
+    try:
         dev = devices.set_device(env.local_rank)
         store = devices.init_process_group(env, cfg.resilience.distributed_timeout_minutes,
                                            backend, cfg.resilience.rendezvous_timeout)
-    except Megatron3dError as err:
+    except Megatron3dError as err:  # the ranks did not meet: one line naming the variable
         exit_record.report(2, f"error: {err}")
         return 2
     board = FailureBoard(store, env.rank)
@@ -114,6 +133,44 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
             logger.error("rank %d wrote %s", state.world_rank, path)
         raise
     return 0
+
+
+def _kill_switch_pressed(cfg: TrainConfig, rank: int) -> bool:
+    """A kill switch already there stops the job at once (said once, by rank 0), as the one
+    met during training does, but before anything is loaded, trained or saved."""
+    switch = cfg.checkpoint.kill_switch_path
+    if not (switch and os.path.exists(switch)):
+        return False
+    if rank == 0:
+        sys.stdout.write(f"kill switch {switch} exists at start-up: exiting without training "
+                         "or saving anything; remove it to run\n")
+    return True
+
+
+def _check_outputs(cfg: TrainConfig) -> None:
+    """The directories the run writes besides --save (checked with it) must be directories it
+    can write, or the run would die in its first write: TensorBoard's on the logging rank,
+    every rank's hang dump."""
+    if cfg.logging.tensorboard_dir:
+        check_output_dir(Path(cfg.logging.tensorboard_dir), "--tensorboard-dir")
+    dumps = default_dump_dir(cfg.resilience.hang_dump_dir, cfg.checkpoint.save)
+    check_output_dir(dumps, "--hang-dump-dir" if cfg.resilience.hang_dump_dir
+                     else f"--hang-dump-dir (default {dumps})")
+
+
+def _lock_save(cfg: TrainConfig, rank: int) -> contextlib.AbstractContextManager:
+    """Rank 0 holds --save for the run's life (``save_lock.py``), then checks the series
+    again: a run that ended between the first check and the lock may have saved there."""
+    if not cfg.checkpoint.save or rank != 0:
+        return contextlib.nullcontext()
+    lock = SaveLock.take(Path(cfg.checkpoint.save))
+    if not cfg.checkpoint.new_series:
+        try:
+            check_series(Path(cfg.checkpoint.save), cfg.checkpoint.load, cfg.checkpoint.finetune)
+        except Megatron3dError:
+            lock.release()
+            raise
+    return lock
 
 
 def _dry_run(cfg: TrainConfig, world_size: int) -> str:

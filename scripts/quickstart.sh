@@ -32,7 +32,7 @@ torchrun --standalone --nproc-per-node 8 pretrain_gpt.py \
   --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
   --seq-length 64 --max-position-embeddings 64 \
   --micro-batch-size 4 --global-batch-size 32 --rampup-batch-size 16 16 1600 \
-  --train-iters 120 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 10 \
+  --train-iters 120 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-fraction 0.08 \
   --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0.0 --attention-dropout 0.0 \
   --data-path "$DATA/stdlib_text_document" --split 969,30,1 \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/stdlib_sp.model" \

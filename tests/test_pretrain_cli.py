@@ -147,6 +147,13 @@ def test_bad_launcher_environment_exits_2(monkeypatch, capsys, env, named):
     (["--train-iters", str(2**40)], f"--train-iters={2**40}"),
     (["--num-layers", "64", "--hidden-size", "16384"],
      "the layout does not fit: out of memory: pipeline rank 0 needs"),
+    (["--lr", "1e30"], "--lr=1e+30"),
+    (["--init-method-std", "1e30"], "--init-method-std=1e+30"),
+    (["--fp16", "--loss-scale", "1e30"], "--loss-scale=1e+30"),
+    (["--fp16", "--initial-loss-scale", "1e30"], "--initial-loss-scale=1e+30"),
+    # the CPU's math attention kernel (attention dropout) keeps [b, n, s, s] per layer
+    (["--seq-length", "65536", "--attention-dropout", "0.1"],
+     "the layout does not fit: out of memory: pipeline rank 0 needs"),
 ])
 def test_non_finite_or_absurd_numbers_exit_2(monkeypatch, capsys, flags, named):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -71,6 +71,9 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
       groups); the keys and values are never copied per query head (``grouped_attention``).
     - attention output: [M, h/t], kept by the output projection (the kernel's output shares
       its storage); without recompute the kernel's log-sum-exp [b, n/t, s] fp32 too.
+    - the CPU's math kernel instead (attention dropout on the CPU, without recompute): fp32
+      copies of q, k, v and three fp32 [b, n/t, s, s] tensors (the probabilities, the dropout
+      mask and the dropped probabilities), quadratic in the sequence.
     - MLP: GeLU keeps its input and the output projection the activation, [M, f/t] each;
       SwiGLU the stacked gate/up [M, 2f/t], silu(gate) and the product.
     - dropout masks: one byte per element of the [N, h] attention and MLP outputs.
@@ -88,12 +91,14 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
     stat = e if device_type == "cpu" else FP32
     norm = (FP32 * small * h + FP32 * small + e * small * h if cfg.normalization == "rmsnorm"
             else e * small * h + 2 * stat * small)
+    math = device_type == "cpu" and cfg.attention_dropout > 0 and cfg.recompute is None
     terms = {
         "norms": 2 * norm,
         "qkv input": e * small * h,
-        "q, k, v": e * big * (heads + 2 * groups) * d,
+        "q, k, v": (FP32 if math else e) * big * (heads + 2 * groups) * d,
         "attention output": e * big * heads * d,
-        "log-sum-exp": FP32 * b * heads * s if cfg.recompute is None else 0,
+        "log-sum-exp": FP32 * b * heads * s if cfg.recompute is None and not math else 0,
+        "attention scores": 3 * FP32 * b * heads * s * s if math else 0,
         "fc1 input": e * small * h,
         "MLP": e * big * f * (4 if cfg.swiglu else 2),
         "dropout masks": 2 * small * h if cfg.hidden_dropout > 0 else 0,

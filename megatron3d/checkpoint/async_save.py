@@ -70,16 +70,16 @@ class BackgroundSave:
         self._job: _Job | None = None
 
     def start(self, root: Path, payload: dict[str, Any], meta: dict[str, Any] | None,
-              keep_last: int | None) -> None:
+              keep_last: int | None, series: str) -> None:
         """Start writing the rank file ``payload`` (its chunks' data in host memory, which
-        stays untouched until ``wait``) into ``iter_X.tmp``, which exists on every rank by
-        now; ``meta`` (rank 0's only) is published once every rank's file is there, then
-        ``keep_last`` prunes."""
+        stays untouched until ``wait``) into ``iter_X.SERIES.tmp`` (``series``), which exists
+        on every rank by now; ``meta`` (rank 0's only) is published once every rank's file is
+        there, then ``keep_last`` prunes."""
         assert self._job is None, "a save is in flight: wait() first"
         iteration = payload["iteration"]
         job = _Job(iteration, io.iteration_dir(root, iteration))
         job.thread = threading.Thread(target=self._run, args=(job, root, payload, meta,
-                                                              keep_last),
+                                                              keep_last, series),
                                       name=f"checkpoint-save-{iteration}", daemon=True)
         job.thread.start()
         self._job = job
@@ -87,8 +87,8 @@ class BackgroundSave:
                     job.directory)
 
     def _run(self, job: _Job, root: Path, payload: dict[str, Any],
-             meta: dict[str, Any] | None, keep_last: int | None) -> None:
-        staging = io.staging_dir(root, job.iteration)
+             meta: dict[str, Any] | None, keep_last: int | None, series: str) -> None:
+        staging = io.staging_dir(root, job.iteration, series)
         try:
             with io.writing(root):
                 io.write_rank(staging, self._state.world_rank, payload)

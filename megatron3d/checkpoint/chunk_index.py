@@ -93,11 +93,12 @@ def finish(root: Path, meta: dict[str, Any], keep_last: int | None) -> None:
     """Rank 0's part once every rank file is in ``iter_X.tmp``: meta.json, the index,
     ``io.publish``, then ``io.prune`` of ``meta``'s series (``--keep-last-n``); a failed write
     is a ``CheckpointError``."""
-    staging = io.staging_dir(root, meta["iteration"])
+    series = io.series_of(meta)
+    staging = io.staging_dir(root, meta["iteration"], series)
     with io.writing(root):
         io.write_meta(staging, meta)
         write_index(staging, meta)
-        io.publish(root, meta["iteration"])
+        io.publish(root, meta["iteration"], series)
         if keep_last:
             io.prune(root, keep_last, io.series_of(meta))
 

@@ -4,7 +4,8 @@
     DIR/iter_0000100/meta.json      run state, configuration, layout, format version
     DIR/iter_0000100/rank_00003.pt  the chunks and RNG states one rank wrote
 
-A checkpoint is first written to ``iter_0000100.tmp/``, renamed when every rank's file is in
+A checkpoint is first written to ``iter_0000100.SERIES.tmp/`` (its run's series, so that a
+save's cleanup removes only its own), renamed when every rank's file is in
 place, and only then does ``latest`` (written to a temporary name and renamed) point at it. A
 process killed at any moment therefore leaves ``latest`` naming a complete checkpoint. The
 directory must be shared by all nodes.
@@ -50,9 +51,11 @@ def iteration_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
 
-def staging_dir(root: Path, iteration: int) -> Path:
-    """Where a checkpoint is written before ``publish`` renames it."""
-    return root / f"{iteration_dir(root, iteration).name}.tmp"
+def staging_dir(root: Path, iteration: int, series: str = LEGACY_SERIES) -> Path:
+    """Where ``series`` writes a checkpoint before ``publish`` renames it (the legacy series:
+    ``iter_N.tmp``, also what the offline tools write)."""
+    tag = f".{series}" if series else ""
+    return root / f"{iteration_dir(root, iteration).name}{tag}.tmp"
 
 
 def rank_file(directory: Path, rank: int) -> Path:
@@ -83,9 +86,9 @@ def write_meta(directory: Path, meta: dict[str, Any]) -> None:
     _atomic_write(directory / "meta.json", lambda f: f.write(text))
 
 
-def publish(root: Path, iteration: int) -> None:
+def publish(root: Path, iteration: int, series: str = LEGACY_SERIES) -> None:
     """Make the finished ``.tmp`` directory the checkpoint and point ``latest`` at it."""
-    os.replace(staging_dir(root, iteration), iteration_dir(root, iteration))
+    os.replace(staging_dir(root, iteration, series), iteration_dir(root, iteration))
     _atomic_write(root / LATEST, lambda f: f.write(f"{iteration}\n".encode()))
 
 
@@ -184,12 +187,15 @@ def has_checkpoints(root: Path) -> bool:
         p.name.startswith("iter_") and not p.name.endswith(".tmp") for p in root.iterdir())
 
 
-def clear_for_save(root: Path, iteration: int) -> None:
-    """Remove what killed saves left (every ``.tmp`` directory) and an ``iter_`` directory of
-    this iteration that ``latest`` does not name (renamed, but its save never published)."""
+def clear_for_save(root: Path, iteration: int, series: str = LEGACY_SERIES) -> None:
+    """Remove what killed saves of ``series`` left (its ``.tmp`` directories, and the legacy
+    unnamed ones) and an ``iter_`` directory of this iteration that ``latest`` does not name
+    (renamed, but its save never published). Another series' staging is never touched."""
     root.mkdir(parents=True, exist_ok=True)
     for tmp in root.glob("iter_*.tmp"):
-        shutil.rmtree(tmp)
+        tag = tmp.name[:-len(".tmp")].partition(".")[2]
+        if tag in (series, LEGACY_SERIES):
+            shutil.rmtree(tmp)
     final = iteration_dir(root, iteration)
     if final.exists():
         shutil.rmtree(final)

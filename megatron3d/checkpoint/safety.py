@@ -116,14 +116,21 @@ def require_checkpoint(load: str, needed_by: str) -> None:
 
 def check_save_dir(root: Path) -> None:
     """``--save`` must be a writable directory, or creatable under a writable one."""
+    check_output_dir(root, "--save")
+
+
+def check_output_dir(root: Path, flag: str) -> None:
+    """A directory the run writes into (``flag`` names it: --save, --tensorboard-dir,
+    --hang-dump-dir) must be a writable directory, or creatable under a writable one; reads
+    only, so a refused run leaves the disk as it was."""
     existing = next(p for p in (root, *root.parents) if p.exists())
     if not existing.is_dir():
         where = "is a file" if existing == root else f"is under the file {existing}"
-        raise ConfigError(f"--save must be a directory, but it {where} ({root}): choose a "
+        raise ConfigError(f"{flag} must be a directory, but it {where} ({root}): choose a "
                           "directory path")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == root else f"cannot be created in {existing}"
-        raise ConfigError(f"--save {what} ({root}): fix its permissions or choose a "
+        raise ConfigError(f"{flag} {what} ({root}): fix its permissions or choose a "
                           "writable directory")
 
 

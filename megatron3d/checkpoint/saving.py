@@ -35,6 +35,7 @@ from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 
 logger = get_logger(__name__)
+_SERIES_BYTES = 32  # a series: uuid4().hex, or "" for checkpoints older than series
 
 
 def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
@@ -58,7 +59,8 @@ class Saver:
         assert cfg.checkpoint.save is not None
         self.root = cfg.checkpoint.save
         self.cfg, self.state, self.params, self.optimizer = cfg, state, params, optimizer
-        self.rng, self.lr_schedule, self.series = rng, lr_schedule, series
+        self.rng, self.lr_schedule = rng, lr_schedule
+        self.series = agreed_series(series, state, optimizer.shard.grads.device)
         self.background = (BackgroundSave(state, optimizer.shard.grads.device)
                            if cfg.checkpoint.async_save else None)
         self._snapshot: HostSnapshot | None = None  # allocated at the first save
@@ -93,7 +95,7 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, optimizer: MixedPrec
     save before is finished first, and this returns once the state is in host memory: the
     files are written and published while training goes on."""
     path = Path(root)
-    staging = io.staging_dir(path, progress.iteration)
+    staging = io.staging_dir(path, progress.iteration, series)
     if background is not None:
         background.wait()  # at most one save in flight: the snapshot is free again
     if _published(path, progress.iteration, series, state, optimizer.shard.grads.device):
@@ -102,7 +104,7 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, optimizer: MixedPrec
     snapshot.capture(optimizer.live_state)
     if state.world_rank == 0:
         with io.writing(path):
-            io.clear_for_save(path, progress.iteration)
+            io.clear_for_save(path, progress.iteration, series)
             staging.mkdir()
     comm.barrier(state.world)
     header = {"rng": _capture_rng(rng), "iteration": progress.iteration,  # see safety.py
@@ -111,7 +113,7 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, optimizer: MixedPrec
             if state.world_rank == 0 else None)
     payload = {"chunks": snapshot.chunks, **header}
     if background is not None:
-        background.start(path, payload, meta, cfg.checkpoint.keep_last_n)
+        background.start(path, payload, meta, cfg.checkpoint.keep_last_n, series)
         return
     with io.writing(path):
         io.write_rank(staging, state.world_rank, payload)
@@ -121,6 +123,16 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, optimizer: MixedPrec
     comm.barrier(state.world)
     logger.info("saved checkpoint at iteration %d to %s", progress.iteration,
                 io.iteration_dir(path, progress.iteration))
+
+
+def agreed_series(series: str, state: ParallelState, device: torch.device) -> str:
+    """Rank 0's series on every rank (each drew its own for a new run, and only rank 0's is
+    written): every rank writes into the same ``iter_N.SERIES.tmp``. One broadcast, at
+    build."""
+    code = torch.tensor(list(series.encode().ljust(_SERIES_BYTES)), dtype=torch.uint8,
+                        device=device)
+    agreed = comm.broadcast(code, state.world, 0)
+    return bytes(agreed.tolist()).decode().rstrip()
 
 
 def _meta(cfg: TrainConfig, state: ParallelState, optimizer: MixedPrecisionOptimizer,

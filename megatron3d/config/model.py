@@ -8,6 +8,7 @@ from typing import Literal
 
 from megatron3d.config.ranges import (
     AT_LEAST_ONE,
+    INIT_STD,
     LAYERS,
     NON_NEGATIVE,
     POSITIVE,
@@ -84,7 +85,8 @@ class ModelConfig:
     disable_bias_linear: bool = option(False, "No biases in linear layers (Llama-style).")
     add_qkv_bias: bool = option(
         False, "A bias on the QKV projection even with --disable-bias-linear (Qwen2).")
-    init_method_std: float = option(0.02, "Std of the normal initialisation.", range=POSITIVE)
+    init_method_std: float = option(0.02, "Std of the normal initialisation.",
+                                    range=INIT_STD)
     hidden_dropout: float = option(0.1, "Dropout on attention and MLP outputs.", range=PROBABILITY)
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.", range=PROBABILITY)
     checkpoint_activations: bool = option(

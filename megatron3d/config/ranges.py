@@ -46,6 +46,13 @@ SIZE = Range(1, 2**20)
 # samples and tokens stay exact in int64: 2**32 steps of at most 2**24 samples; int32 ids.
 LAYERS, VOCABULARY, BATCH = Range(1, 2**16), Range(1, 2**31 - 1), Range(1, 2**24)
 ITERATIONS, SAMPLES = Range(1, 2**32), Range(1, 2**40)
+# Bounds that keep a run runnable: past them every step after the first diverges (weights of
+# 1e30 overflow fp32 activations) and the run only skips steps. AdamW moves each weight by
+# about the learning rate per step, so 1 is far past any recipe (GPT-3 6e-4); init std 1 is 50
+# times GPT-2's; 2**32 is Megatron's starting dynamic loss scale, the largest it uses.
+LEARNING_RATE = Range(0, 1, low_open=True)
+INIT_STD = Range(0, 1, low_open=True)
+LOSS_SCALE = Range(0, 2**32, low_open=True)
 SEED = Range(0, 2**32, high_open=True)
 """A 32-bit seed: torch and numpy take it with the per-stage and TP offsets added."""
 

@@ -154,6 +154,12 @@ class ResilienceConfig:
         "MASTER_ADDR:MASTER_PORT) before it stops with one line naming what did not come: a "
         "stray WORLD_SIZE or a wrong address would otherwise wait for the process-group "
         "timeout.", range=Range(0, 7 * 24 * 3600, low_open=True))  # a week
+    max_skipped_iters_in_a_row: int = option(
+        200, "Stop with an error (exit 1, nothing saved) once this many steps in a row were "
+        "skipped (non-finite gradients: a diverged run, or an fp16 loss scale that always "
+        "overflows); checked at each log line and save; 0 never stops. The default is above "
+        "the fp16 dynamic scaler's start (2**32 down to its working scale, --hysteresis "
+        "overflows per halving).", range=Range(0, 2**32))
     check_for_nan_in_loss_and_grad: bool = option(
         False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
         "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "

@@ -10,6 +10,8 @@ from megatron3d.config.ranges import (
     BATCH,
     FRACTION,
     ITERATIONS,
+    LEARNING_RATE,
+    LOSS_SCALE,
     NON_NEGATIVE,
     POSITIVE,
     PROBABILITY,
@@ -50,7 +52,7 @@ class TrainingConfig:
 class OptimizerConfig:
     """AdamW hyper-parameters and gradient clipping."""
 
-    lr: float | None = option(None, "Peak learning rate.", range=POSITIVE)
+    lr: float | None = option(None, "Peak learning rate.", range=LEARNING_RATE)
     min_lr: float = option(0.0, "Learning rate at the end of decay.", range=NON_NEGATIVE)
     weight_decay: float = option(
         0.01, "Decoupled weight decay (biases and norms get none).", range=NON_NEGATIVE)
@@ -88,8 +90,9 @@ class PrecisionConfig:
     bf16: bool = option(False, "bf16 parameters and activations, fp32 master weights and grads.")
     fp16: bool = option(False, "fp16 parameters and activations with dynamic loss scaling.")
     loss_scale: float | None = option(
-        None, "Static fp16 loss scale; default dynamic.", range=POSITIVE)
-    initial_loss_scale: float = option(2.0**32, "Starting dynamic loss scale.", range=POSITIVE)
+        None, "Static fp16 loss scale; default dynamic.", range=LOSS_SCALE)
+    initial_loss_scale: float = option(2.0**32, "Starting dynamic loss scale.",
+                                       range=LOSS_SCALE)
     min_loss_scale: float = option(1.0, "Smallest dynamic loss scale.", range=POSITIVE)
     loss_scale_window: int = option(
         1000, "Clean steps before the dynamic scale doubles.", range=AT_LEAST_ONE)

@@ -42,6 +42,7 @@ from megatron3d.pipeline.partition import format_partition_table
 from megatron3d.pipeline.spec import VirtualStages, build_chunks
 from megatron3d.pipeline.tied import TiedWeights
 from megatron3d.training.data_setup import Datasets, build_run_data
+from megatron3d.training.divergence import SkipWatch
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Hooks, ModelParts, RunData, Saver, Trainer
@@ -142,7 +143,9 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                           total_iters, optimizer.params_norm),
         save=_wrapped(given.save, saver),
         exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started),
-        progress=given.progress or progress, hooks=given.hooks)
+        progress=given.progress or progress,
+        skips=SkipWatch(cfg.resilience.max_skipped_iters_in_a_row, state.world, dev),
+        hooks=given.hooks)
 
 
 def _wrapped(wrap: Callable[[T], T] | None, part: T) -> T:

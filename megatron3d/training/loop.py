@@ -27,6 +27,7 @@ from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 from megatron3d.pipeline.engine import PipelineEngine
+from megatron3d.training.divergence import SkipWatch
 from megatron3d.training.evaluate import evaluate, format_eval_line, perplexity
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
@@ -128,6 +129,7 @@ class Trainer:
     save: Saver | None  # checkpoint.saving.Saver under --save
     exit_watch: ExitWatch
     progress: Progress  # advanced in place as the run goes
+    skips: SkipWatch  # stops a run whose steps are all skipped (divergence.py)
     hooks: Hooks = field(default_factory=Hooks)
     _last: _Outcome = field(init=False, default_factory=_Outcome)
 
@@ -163,7 +165,9 @@ class Trainer:
             while self.progress.iteration < self.total_iters:
                 result, lr, gbs = self._step()
                 self.hooks.heartbeat.beat(self.progress.iteration)
-                reporter.step(self.progress, result, lr, gbs)
+                self.skips.add(result.stats.skipped, result.loss)
+                if reporter.step(self.progress, result, lr, gbs):  # the log line synced
+                    self.skips.check(self.progress.iteration)
                 self._after_step(result)
                 it = self.progress.iteration
                 stop = self.exit_watch.should_stop(it, last=it >= self.total_iters)
@@ -175,6 +179,7 @@ class Trainer:
             self._last.train_loss = result.loss  # stays on the device until the summary
             # Still under the signal handlers: the launcher forwards the preemption SIGTERM a
             # moment after the job's own, and it must not kill the final save half-way.
+            self.skips.check(self.progress.iteration, saving=True)  # with or without --save
             self._save(final=True)
         return reason
 
@@ -216,6 +221,8 @@ class Trainer:
         earlier one may still be written in the background while training goes on)."""
         if self.save is not None:
             with self.hooks.heartbeat.allowance("checkpoint save"):
+                if not final:  # the final save was checked by ``_train``
+                    self.skips.check(self.progress.iteration, saving=True)
                 self._last.checkpoint = self.save(self.progress)
                 if final:
                     self.save.wait()

@@ -79,6 +79,12 @@ _ENTRY_CASES = {
     "dropout one": "--hidden-dropout=1",
     "vocabulary multiple 2**70": f"--make-vocab-size-divisible-by={2**70}",
     "timeout 2**70": f"--distributed-timeout-minutes={2**70}",
+    "lr 1e30": "--lr=1e30",
+    "init std 1e30": "--init-method-std=1e30",
+    "loss scale 1e30": "--loss-scale=1e30",
+    "skip window negative": "--max-skipped-iters-in-a-row=-1",
+    **{f"{name} 0": f"--hang-{name}-timeout=0" for name in
+       ("startup", "index", "load", "first-step", "save", "eval")},
 }
 
 

@@ -137,3 +137,16 @@ def test_interleaved_first_rank_holds_the_most_micro_batch_chunks():
     last = max(sum(c) for c in in_flight_states("1f1b", 4, 3, 16, 2))
     assert first > 4 and last < first
     assert functools.reduce(max, (sum(c) for c in in_flight_states("1f1b", 4, 0, 16, 1))) == 4
+
+
+@pytest.mark.parametrize("recompute", [None, "selective"])
+@pytest.mark.parametrize("flavour", ["gpt2", "bloom"])
+def test_attention_dropout_on_the_cpu_keeps_the_scores(flavour, recompute):
+    """The CPU runs SDPA's math kernel with attention dropout: it keeps the [b, n, s, s]
+    probabilities and their dropout, which the start-up check once left out (a million-token
+    sequence passed it and died in the allocator)."""
+    cfg = ModelConfig(**{**SHAPE, "num_layers": 1, "attention_dropout": 0.1,
+                         **FLAVOURS[flavour], "recompute_granularity": recompute})
+    ours = sum(layer_activation_bytes(cfg, MICRO_BATCH, 1, False, BF16, "cpu").values())
+    real = measured_layer_bytes(cfg, MICRO_BATCH, AxisGroup.single(), False)[0]
+    assert abs(ours - real) <= ACTIVATION_RTOL * real, (ours, real)
