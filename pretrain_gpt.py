@@ -17,7 +17,7 @@ from megatron3d import device as devices
 from megatron3d.accounting import fit
 from megatron3d.checkpoint.loading import with_checkpoint_args
 from megatron3d.checkpoint.safety import check_paths
-from megatron3d.cli.arguments import format_config, parse_command_line
+from megatron3d.cli.arguments import format_config, parse_given
 from megatron3d.config import TrainConfig
 from megatron3d.data.builder import check_sources_exist, parse_data_path
 from megatron3d.errors import Megatron3dError, TrainingError
@@ -40,8 +40,9 @@ logger = get_logger("pretrain_gpt")
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()  # --exit-duration-in-mins counts start-up and loading too
     try:
-        cfg, notices = parse_command_line(argv)
-        cfg = with_checkpoint_args(cfg)
+        cfg, notices, given = parse_given(argv)
+        cfg, checkpoint_notices = with_checkpoint_args(cfg, given)
+        notices = notices + checkpoint_notices
         env = devices.launch_env()  # after parsing, so --help works under any launcher
         if cfg.parallel.print_topology:  # a planning aid: only the layout must be valid
             table = Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
@@ -86,7 +87,8 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
     leaves a hang dump and its traceback."""
     try:
         setup_logging(state.world_rank, log_rank=state.world_size - 1)
-        for notice in notices:  # Megatron flags aliased or ignored (megatron3d/cli/compat.py)
+        for notice in notices:  # Megatron flags aliased or ignored (cli/compat.py), dropout
+            # flags that differ from the checkpoint's (--use-checkpoint-args)
             logger.info("notice: %s", notice)
         logger.info(format_config(cfg, state.world_size))
         logger.info(state.topology.table())

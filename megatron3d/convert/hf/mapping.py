@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from megatron3d.config import ModelConfig
+from megatron3d.convert.hf import numerics
 from megatron3d.errors import ConfigError
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
@@ -89,6 +90,8 @@ def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
     if kind == "gpt2":
         _require(hf, "activation_function", lambda v: v in _TANH_GELU, "a tanh-GeLU")
         _require(hf, "tie_word_embeddings", lambda v: v is not False, "a tied head")
+        for key, want in numerics.GPT2_ATTENTION.items():
+            _require(hf, key, lambda v, w=want: v is w, str(want).lower())
         h, heads = _int(hf, "n_embd"), _int(hf, "n_head")
         _divisible(hf, "n_embd", "n_head")
         return {"num_layers": _int(hf, "n_layer"), "hidden_size": h,
@@ -96,7 +99,8 @@ def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
                 "max_position_embeddings": _int(hf, "n_positions"),
                 "seq_length": seq_length or _int(hf, "n_positions"),
                 "vocab_size": _int(hf, "vocab_size"),
-                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5)}
+                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5),
+                **numerics.dropouts(hf, "resid_pdrop", "attn_pdrop", 0.1)}
     if kind == "bloom":
         _require(hf, "apply_residual_connection_post_layernorm", lambda v: not v, "false")
         _require(hf, "tie_word_embeddings", lambda v: v is not False, "a tied head")
@@ -105,7 +109,8 @@ def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
                 "num_attention_heads": _int(hf, "n_head"), "seq_length": seq_length or 2048,
                 "vocab_size": _int(hf, "vocab_size"), "position_embedding_type": "alibi",
                 "embed_layernorm": True,
-                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5)}
+                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5),
+                **numerics.dropouts(hf, "hidden_dropout", "attention_dropout", 0.0)}
     if kind == "llama":
         return _llama_fields(hf, seq_length)
     raise ConfigError(f"unsupported Hugging Face model_type {kind!r}: import supports gpt2, "
@@ -136,7 +141,8 @@ def _llama_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
             "normalization": "rmsnorm", "swiglu": True, "disable_bias_linear": True,
             "untie_embeddings_and_output_weights": not _bool(hf, "tie_word_embeddings", False),
             "layernorm_epsilon": _float(hf, "rms_norm_eps", 1e-6),
-            "rotary_base": _float(rope, "rope_theta", _float(hf, "rope_theta", 10000.0))}
+            "rotary_base": _float(rope, "rope_theta", _float(hf, "rope_theta", 10000.0)),
+            **numerics.dropouts(hf, None, "attention_dropout", 0.0)}
 
 
 def _require(hf: dict[str, Any], key: str, ok: Callable[[Any], bool], want: str) -> None:

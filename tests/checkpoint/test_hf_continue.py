@@ -1,0 +1,122 @@
+"""Continued pre-training of a Hugging Face import: transformers models (random weights, made
+from a config) with their tokenizers, imported and trained through pretrain_gpt at TP=2 x
+PP=2 on real ``.bin/.idx`` data that our preprocess tool wrote with that tokenizer, start
+from transformers' own loss on the same tokens. Each model family comes with a tokenizer
+family: GPT-2 with GPT-2 BPE files, Llama with SentencePiece, BLOOM with a Hugging Face
+``tokenizer.json``; the command line names the tokenizer and no model flag or dropout (the
+checkpoint's, from the Hugging Face config, are used). One launch runs all three."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from megatron3d.data.prep.tokenizer_training import train_sentencepiece
+from tests.data.test_tokenizer import synthetic_text, tiny_gpt2_files
+from tests.helpers.dist import run_distributed
+from tests.helpers.runs import build
+from tests.helpers.tools import load_tool, tool_logging
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("sentencepiece")
+import_hf, preprocess = load_tool("checkpoint/import_hf.py"), load_tool("preprocess_data.py")
+
+SEQ, GBS = 16, 8
+INIT_RANGE = 0.5  # far from a flat guess: a misplaced tensor would change the loss
+CONFIGS = {  # every dropout 0, as the configs of Llama and BLOOM have by default
+    "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": SEQ,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "bloom": {"model_type": "bloom", "n_layer": 2, "hidden_size": 32, "n_head": 4},
+    "llama": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 64,
+              "max_position_embeddings": SEQ, "rms_norm_eps": 1e-6},
+}
+
+
+def _tokenizer(flavour: str, directory: Path) -> tuple[int, list[str]]:
+    """Write ``flavour``'s tokenizer into the model directory, as the Hub has it: its
+    vocabulary size and the pretrain_gpt.py flags that name it."""
+    directory.mkdir(parents=True)
+    if flavour == "llama":
+        model = train_sentencepiece([synthetic_text(400)], str(directory / "tokenizer"), 300)
+        return 300, ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model]
+    vocab, merges = tiny_gpt2_files(directory)
+    if flavour == "gpt2":
+        return len(vocab), ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                            str(directory / "vocab.json"), "--merge-file",
+                            str(directory / "merges.txt")]
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, merges))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    hf.save(str(directory / "tokenizer.json"))
+    return len(vocab), ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
+                        str(directory)]
+
+
+def _hf_model(flavour: str, directory: Path, vocab: int):
+    config = dict(CONFIGS[flavour])
+    kind = config.pop("model_type")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.CONFIG_MAPPING[kind](
+        vocab_size=vocab, initializer_range=INIT_RANGE, **config)).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def _first_steps(runs: dict[str, list[str]]) -> dict[str, tuple[float, list]]:
+    """Rank view of one step from each imported checkpoint: the first loss and the
+    micro-batches of the global batch it was computed on (on the last stage)."""
+    out = {}
+    for flavour, argv in runs.items():
+        losses: list[torch.Tensor] = []
+        trainer, state = build(argv, on_step=lambda _, result, into=losses:
+                               into.append(result.loss))
+        trainer.run()
+        if state.is_last_stage:
+            out[flavour] = (losses[0].item(), trainer.data.train(0, GBS))
+    return out
+
+
+def test_imported_models_continue_from_transformers_loss_on_real_data(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": synthetic_text(6, seed)}) + "\n"
+                              for seed in range(60)))
+    models, runs = {}, {}
+    for flavour in CONFIGS:
+        hf_dir = tmp_path / f"hf-{flavour}"
+        vocab, tokenizer_flags = _tokenizer(flavour, hf_dir)
+        models[flavour] = _hf_model(flavour, hf_dir, vocab)
+        prefix = tmp_path / f"data-{flavour}"
+        ckpt = str(tmp_path / f"ckpt-{flavour}")
+        with tool_logging():
+            assert preprocess.main(["--input", str(corpus), "--output-prefix", str(prefix),
+                                    "--append-eod", "--no-progress", *tokenizer_flags]) == 0
+            assert import_hf.main(["--hf", str(hf_dir), "--save", ckpt, "--seq-length",
+                                   str(SEQ), "--tensor-model-parallel-size", "2",
+                                   "--pipeline-model-parallel-size", "2"]) == 0
+        runs[flavour] = [
+            "--load", ckpt, "--use-checkpoint-args", "--data-path",
+            f"{prefix}_text_document", "--split", "90,10,0", *tokenizer_flags,
+            "--micro-batch-size", "2", "--global-batch-size", str(GBS), "--train-iters", "1",
+            "--lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "0",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--data-cache-path", str(tmp_path / "index-cache")]
+    last_stage = run_distributed(_first_steps, 4, runs, timeout_s=300)[-1]
+    for flavour, model in models.items():
+        loss, micro_batches = last_stage[flavour]
+        tokens = torch.cat([b.tokens for b in micro_batches])
+        labels = torch.cat([b.labels for b in micro_batches])
+        vocab = model.config.vocab_size
+        assert tokens.shape == (GBS, SEQ) and len(set(tokens.flatten().tolist())) > 10, flavour
+        assert all(bool(b.loss_mask.all()) for b in micro_batches)
+        with torch.no_grad():
+            logits = model(tokens).logits
+        expected = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1)).item()
+        assert expected > math.log(vocab) + 2, (flavour, expected)  # far from a flat guess
+        assert loss == pytest.approx(expected, rel=1e-4), flavour
