@@ -8,6 +8,7 @@ checkpoint's, from the Hugging Face config, are used). One launch runs all three
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from megatron3d.checkpoint.loading import check_model_matches, with_checkpoint_args
+from megatron3d.cli.arguments import parse_given
+from megatron3d.config import TrainConfig
 from megatron3d.data.prep.tokenizer_training import train_sentencepiece
+from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
+from megatron3d.errors import CheckpointError
+from megatron3d.validation import validate
 from tests.data.test_tokenizer import synthetic_text, tiny_gpt2_files
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import build
@@ -120,3 +127,65 @@ def test_imported_models_continue_from_transformers_loss_on_real_data(tmp_path):
         expected = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1)).item()
         assert expected > math.log(vocab) + 2, (flavour, expected)  # far from a flat guess
         assert loss == pytest.approx(expected, rel=1e-4), flavour
+
+
+@pytest.fixture(scope="module")
+def llama_import(tmp_path_factory) -> str:
+    """An imported Llama (vocabulary 300, attention_dropout 0.0 as transformers' default)."""
+    root = tmp_path_factory.mktemp("llama")
+    _hf_model("llama", root / "hf", 300)
+    with tool_logging():
+        assert import_hf.main(["--hf", str(root / "hf"), "--save", str(root / "ckpt")]) == 0
+    return str(root / "ckpt")
+
+
+def _continue(ckpt: str, *flags: str) -> tuple[TrainConfig, list[str]]:
+    cfg, _, given = parse_given(["--load", ckpt, "--use-checkpoint-args", "--train-iters", "1",
+                                 "--micro-batch-size", "1", "--lr", "1e-3", *flags])
+    return with_checkpoint_args(cfg, given)
+
+
+@pytest.mark.parametrize(("data", "vocab"), [
+    (("--mock-data",), 300),
+    (("--data-path", "d", "--tokenizer-type", "NullTokenizer"), 299),  # + 1 for its eod
+    (("--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+      "t.model"), None),  # the tokenizer's
+], ids=["mock", "NullTokenizer", "SentencePiece"])
+def test_checkpoint_args_leave_the_vocabulary_to_the_tokenizer(llama_import, data, vocab):
+    cfg, _ = _continue(llama_import, *data)
+    assert cfg.model.vocab_size == vocab
+    validate(cfg, 1)
+    if vocab is not None and not cfg.data.mock_data:
+        assert build_tokenizer(TokenizerSpec("NullTokenizer", vocab_size=vocab)).vocab_size == 300
+
+
+def test_a_tokenizer_of_another_size_is_one_line(llama_import):
+    cfg, _ = _continue(llama_import, "--mock-data")
+    saved = {"model": {**dataclasses.asdict(cfg.model)}}
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=261))
+    with pytest.raises(CheckpointError, match=r"^the tokenizer has 261 tokens but the "
+                       r"checkpoint's model 300: give the tokenizer the model was made with"):
+        check_model_matches(other, saved)
+
+
+def test_dropout_is_the_imported_configs_unless_given(llama_import):
+    cfg, notices = _continue(llama_import, "--mock-data")
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.0)
+    assert notices == []
+    cfg, notices = _continue(llama_import, "--mock-data", "--hidden-dropout", "0.2")
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.2, 0.0)
+    assert notices == ["--hidden-dropout 0.2 differs from the checkpoint's 0.0: the flag is "
+                       "used"]
+
+
+def test_what_the_import_trains_otherwise_is_a_notice(tmp_path, capsys):
+    config = {**CONFIGS["gpt2"], "embd_pdrop": 0.2}
+    kind = config.pop("model_type")
+    transformers.AutoModelForCausalLM.from_config(transformers.CONFIG_MAPPING[kind](
+        vocab_size=64, **config)).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()
+    with tool_logging():
+        assert import_hf.main(["--hf", str(tmp_path / "hf"), "--save",
+                               str(tmp_path / "ckpt")]) == 0
+    assert ("notice: config.json has embd_pdrop=0.2 and resid_pdrop=0.0: megatron3d drops "
+            "out the embeddings as the residual stream, with 0.0") in capsys.readouterr().out
