@@ -19,9 +19,15 @@ from typing import Any
 
 import torch
 
-from megatron3d.config import ModelConfig, ParallelConfig, TrainConfig, TrainingConfig
+from megatron3d.config import (
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    TrainingConfig,
+)
 from megatron3d.convert.contents import Layout, model_tensors, stage_params
-from megatron3d.convert.hf import import_checks, mapping, numerics
+from megatron3d.convert.hf import import_checks, mapping, numerics, tokenizer_files
 from megatron3d.convert.offline import write_checkpoint
 from megatron3d.errors import CheckpointError, ConfigError
 from megatron3d.log import get_logger
@@ -160,11 +166,16 @@ def import_hf(hf_dir: str, save: str, tp: int, pp: int,
     found = weights(directory)
     import_checks.check_shapes(import_checks.expected_shapes(model), found.shape)
     get = import_checks.finite(found.tensor)
+    tokenizer = tokenizer_files.find(directory, model.vocab_size)
     cfg = TrainConfig(model=model, training=TrainingConfig(),
                       parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                              pipeline_model_parallel_size=pp))
+                                              pipeline_model_parallel_size=pp),
+                      data=DataConfig(**tokenizer.data) if tokenizer else DataConfig())
     pieces = [mapping.from_hf(model, names, get)
               for names in mapping.pieces_by_layer([t.meta.name for t in model_tensors(model)])]
-    for line in numerics.differences(hf):
+    notices = [*numerics.differences(hf), *([tokenizer.notice] if tokenizer else [])]
+    for line in filter(None, notices):
         logger.info("notice: %s", line)
-    return write_checkpoint(Path(save), cfg, pieces)
+    logger.info("tokenizer: %s", f"{tokenizer.data['tokenizer_type']}, copied into the "
+                "checkpoint" if tokenizer else "none beside the model (training names its own)")
+    return write_checkpoint(Path(save), cfg, pieces, tokenizer.files if tokenizer else None)
