@@ -24,7 +24,7 @@ from megatron3d.accounting import fit
 from megatron3d.checkpoint.loading import with_checkpoint_args
 from megatron3d.checkpoint.safety import check_output_dir, check_paths, check_series
 from megatron3d.checkpoint.save_lock import SaveLock
-from megatron3d.cli.arguments import format_config, parse_command_line
+from megatron3d.cli.arguments import format_config, parse_given
 from megatron3d.config import TrainConfig
 from megatron3d.errors import Megatron3dError, TrainingError
 from megatron3d.log import get_logger, setup_logging
@@ -47,8 +47,9 @@ logger = get_logger("pretrain_gpt")
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()  # --exit-duration-in-mins counts start-up and loading too
     try:
-        cfg, notices = parse_command_line(argv)
-        cfg = with_checkpoint_args(cfg)
+        cfg, notices, given = parse_given(argv)
+        cfg, checkpoint_notices = with_checkpoint_args(cfg, given)
+        notices = notices + checkpoint_notices
         env = devices.launch_env()  # after parsing, so --help works under any launcher
         validate(cfg, env.world_size)
         dry_run = cfg.parallel.print_topology  # LAUNCH_DRY_RUN: no launcher, no rendezvous
@@ -112,7 +113,8 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
     leaves a hang dump and its traceback."""
     try:
         setup_logging(state.world_rank, log_rank=state.world_size - 1)
-        for notice in notices:  # Megatron flags aliased or ignored (megatron3d/cli/compat.py)
+        for notice in notices:  # Megatron flags aliased or ignored (cli/compat.py), dropout
+            # flags that differ from the checkpoint's (--use-checkpoint-args)
             logger.info("notice: %s", notice)
         logger.info(format_config(cfg, state.world_size))
         logger.info(state.topology.table())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ logger = get_logger(__name__)
 # which model it is.
 RUN_ONLY_MODEL_FIELDS = {"checkpoint_activations", "recompute_granularity", "hidden_dropout",
                          "attention_dropout"}
+_DROPOUTS = ("hidden_dropout", "attention_dropout")
 # Sections about how this run is operated, not what it trains: never reported as changed.
 _RUN_SECTIONS = {"checkpoint", "resilience"}
 
@@ -51,17 +53,28 @@ def checkpoint_config(directory: Path) -> dict[str, Any]:
     return io.read_meta(directory)["config"]
 
 
-def with_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
-    """--use-checkpoint-args: the model flags of the checkpoint in --load (how the model
-    runs, i.e. activation checkpointing and dropout, stays this run's choice)."""
+def with_checkpoint_args(cfg: TrainConfig,
+                         given: Collection[str] = ()) -> tuple[TrainConfig, list[str]]:
+    """--use-checkpoint-args: the model flags of the checkpoint in --load, and the notices
+    to log. ``given``: the fields set on the command line or in YAML. Activation
+    checkpointing stays this run's choice; dropout is the checkpoint's unless given (an
+    imported model's is its source config's). The vocabulary is the checkpoint's only on
+    mock data (and its --vocab-size for the NullTokenizer, which adds the eod): a real
+    tokenizer sets it, and a tokenizer of another size is refused when the model is built."""
     if not cfg.checkpoint.use_checkpoint_args:
-        return cfg
+        return cfg, []
     directory = find(cfg.checkpoint.load) if cfg.checkpoint.load else None
     if directory is None:
         raise ConfigError(f"--use-checkpoint-args needs a checkpoint in --load, found none in "
                           f"{cfg.checkpoint.load!r}: drop the flag or point --load at one")
     saved = dict(checkpoint_config(directory)["model"])
-    saved.update({k: getattr(cfg.model, k) for k in RUN_ONLY_MODEL_FIELDS})
+    notices = [f"--{k.replace('_', '-')} {getattr(cfg.model, k)} differs from the "
+               f"checkpoint's {saved[k]}: the flag is used"
+               for k in _DROPOUTS if k in given and k in saved
+               and getattr(cfg.model, k) != saved[k]]
+    saved.update({k: getattr(cfg.model, k) for k in RUN_ONLY_MODEL_FIELDS
+                  if k in given or k not in _DROPOUTS or k not in saved})
+    saved["vocab_size"] = _vocabulary(cfg, saved.get("vocab_size"))
     known = {f.name for f in dataclasses.fields(ModelConfig)}  # older checkpoints lack new ones
     source = f"in {directory / 'meta.json'}, read by --use-checkpoint-args"
     try:
@@ -69,7 +82,16 @@ def with_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
     except ConfigError as err:  # json gives any type: checked as a YAML value would be
         raise CheckpointError(f"{err}; the file is damaged: load an earlier checkpoint, or "
                               "drop --use-checkpoint-args and pass the model flags") from None
-    return dataclasses.replace(cfg, model=ModelConfig(**values))
+    return dataclasses.replace(cfg, model=ModelConfig(**values)), notices
+
+
+def _vocabulary(cfg: TrainConfig, saved: int | None) -> int | None:
+    """--vocab-size under --use-checkpoint-args: what gives the checkpoint's vocabulary."""
+    if cfg.data.mock_data or saved is None:
+        return saved
+    if cfg.data.tokenizer_type == "NullTokenizer":
+        return saved - 1
+    return None
 
 
 def check_model_matches(cfg: TrainConfig, saved: dict[str, Any]) -> None:
@@ -177,6 +199,11 @@ def _refuse_other_model(cfg: TrainConfig, saved: dict[str, Any]) -> None:
     wrong = [f"{k}: checkpoint {saved['model'].get(k)!r} vs {v!r}"
              for k, v in dataclasses.asdict(cfg.model).items()
              if k not in RUN_ONLY_MODEL_FIELDS and saved["model"].get(k) != v]
+    if wrong and cfg.checkpoint.use_checkpoint_args:  # only the tokenizer's size can differ
+        raise CheckpointError(f"the tokenizer has {cfg.model.vocab_size} tokens but the "
+                              f"checkpoint's model {saved['model'].get('vocab_size')}: give the "
+                              "tokenizer the model was made with (import_hf names the one it "
+                              "found beside the model)")
     if wrong:
         raise CheckpointError("the checkpoint is of a different model (" + "; ".join(wrong)
                               + "): change these flags or pass --use-checkpoint-args")

@@ -355,6 +355,13 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[TrainConfig, list
     and badly typed values; ``--help`` prints the flags and exits 0. The result is not yet
     validated: call ``validation.validate``.
     """
+    cfg, notices, _ = parse_given(argv)
+    return cfg, notices
+
+
+def parse_given(argv: list[str] | None = None) -> tuple[TrainConfig, list[str], frozenset[str]]:
+    """``parse_command_line``, and the fields the command line or YAML set (what
+    ``--use-checkpoint-args`` must not replace)."""
     given, notices = _parse_command_line(sys.argv[1:] if argv is None else argv)
     config_path = given.pop("config", None)
     values: dict[str, Any] = {}
@@ -362,7 +369,7 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[TrainConfig, list
         source = f"in config file {config_path}"
         values.update(_coerce_all(read_config_file(config_path), source))
     values.update(_coerce_all(given, COMMAND_LINE))
-    return _assemble(values), notices
+    return _assemble(values), notices, frozenset(values)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -33,11 +33,13 @@ def whole_chunk(name: str, tensor: torch.Tensor) -> dict:
 
 
 def write_checkpoint(root: Path, cfg: TrainConfig,
-                     pieces: Sequence[Iterable[tuple[str, torch.Tensor]]]) -> tuple[Path, int]:
+                     pieces: Sequence[Iterable[tuple[str, torch.Tensor]]],
+                     files: Mapping[str, Path] | None = None) -> tuple[Path, int]:
     """``root/iter_0000000`` holding the tensors of ``pieces`` (each a lazy iterable, read
-    in turn) and ``cfg``; ``root`` must hold no checkpoint (nothing saved is replaced). A
-    failure while reading a piece removes what was written. Returns the checkpoint and the
-    most tensor bytes held at once (the largest piece)."""
+    in turn), ``cfg`` and copies of ``files`` (name inside it -> source, e.g. a tokenizer);
+    ``root`` must hold no checkpoint (nothing saved is replaced). A failure while reading a
+    piece removes what was written. Returns the checkpoint and the most tensor bytes held
+    at once (the largest piece)."""
     safety.check_save_dir(root)
     if io.has_checkpoints(root):
         raise ConfigError(f"--save {root} already holds checkpoints: choose a new directory, "
@@ -57,6 +59,9 @@ def write_checkpoint(root: Path, cfg: TrainConfig,
             with io.writing(root):
                 io.write_rank(tmp, rank, {"chunks": chunks, "rng": None, "iteration": 0,
                                           "rank": rank, "layout": layout})
+        for name, source in (files or {}).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, tmp / name)
     except BaseException:  # bad input met part-way: leave nothing behind
         shutil.rmtree(root if created else tmp, ignore_errors=True)
         raise

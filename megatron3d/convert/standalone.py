@@ -56,6 +56,20 @@ def saved_config(meta: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**sections)
 
 
+def checkpoint_config(reader: CheckpointReader) -> TrainConfig:
+    """``saved_config`` of the checkpoint ``reader`` has open, with each relative tokenizer
+    path that names a file inside the checkpoint (what import_hf copied there) made a real
+    path: the checkpoint keeps its tokenizer wherever it is moved."""
+    cfg = saved_config(reader.meta)
+    inside = {f: str(reader.directory / getattr(cfg.data, f)) for f in _TOKENIZER_PATHS
+              if getattr(cfg.data, f) is not None and not Path(getattr(cfg.data, f)).is_absolute()
+              and (reader.directory / getattr(cfg.data, f)).exists()}
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **inside))
+
+
+_TOKENIZER_PATHS = ("tokenizer_model", "vocab_file", "merge_file", "tokenizer_name_or_path")
+
+
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LoadedModel:
     """The newest checkpoint under ``checkpoint_dir`` (a --save directory) as one model."""
@@ -65,7 +79,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
 def model_of(reader: CheckpointReader, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> LoadedModel:
     """The checkpoint ``reader`` has open as one model (a tool that already checked it)."""
-    cfg = saved_config(reader.meta)
+    cfg = checkpoint_config(reader)
     model = build_gpt(LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, dtype,
                                    torch.device(device)))
     with torch.no_grad():

@@ -25,7 +25,7 @@ from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool
 from megatron3d.config import DataConfig
 from megatron3d.config.ranges import AT_LEAST_ONE, POSITIVE, SEED, SIZE
-from megatron3d.convert.standalone import load_model, saved_config
+from megatron3d.convert.standalone import checkpoint_config, load_model
 from megatron3d.data.tokenizer import TOKENIZER_TYPES, Tokenizer
 from megatron3d.errors import ConfigError
 from megatron3d.inference.generation import (
@@ -81,7 +81,7 @@ def _run(argv: Sequence[str] | None) -> int:
         loaded = load_model(args.load)
         cfg = loaded.config
     else:  # the checkpoint gives the tokenizer and the context; transformers, the model
-        cfg = saved_config(CheckpointReader.latest(args.load).meta)
+        cfg = checkpoint_config(CheckpointReader.latest(args.load))
     overrides = {f: getattr(args, f) for f in ("tokenizer_type", *_TOKENIZER_FIELDS)}
     tokenizer = resolve_tokenizer(cfg, overrides)
     prompt = _prompt(args, tokenizer)

@@ -17,6 +17,7 @@ import enum
 import json
 import math
 import pickle
+import re
 import sys
 import types
 import warnings
@@ -30,6 +31,7 @@ from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.config import ModelConfig
 from megatron3d.convert.megatron import args as mcore_args
 from megatron3d.data.mock import MockGPTDataset
+from megatron3d.errors import ConfigError
 from tests.checkpoint.conftest import PEAK_LINE
 from tests.checkpoint.test_bad_checkpoints import _tree
 from tests.helpers.dist import run_distributed
@@ -311,3 +313,26 @@ def test_stored_arguments_with_megatron_enums_read_without_megatron(tmp_path, mo
     assert (model.position_embedding_type, model.normalization, model.swiglu, model.add_bias,
             model.tie_embeddings, model.query_groups, model.ffn_size, model.rotary_base) == (
         "rope", "rmsnorm", True, False, False, 2, 64, 500000.0)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"rotary_seq_len_interpolation_factor": 4}, "rotary_seq_len_interpolation_factor=4"),
+    ({"qk_l2_norm": True}, "qk_l2_norm=True"),
+    ({"window_size": (128, 0)}, "window_size=(128, 0)"),
+    ({"mtp_num_layers": 1}, "mtp_num_layers=1"),
+    ({"no_rope_freq": 4}, "no_rope_freq=4"),
+    ({"attention_output_gate": True}, "attention_output_gate=True"),
+], ids=["interpolation", "qk l2 norm", "sliding window", "multi-token prediction", "nope",
+        "output gate"])
+def test_megatron_core_options_it_does_not_compute_are_one_line(change, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected) + ", which megatron3d does not "
+                       "implement") as refused:
+        mcore_args.model_fields(_args(**change))
+    assert "\n" not in str(refused.value)
+    interpolation = mcore_args.model_fields(_args(rotary_seq_len_interpolation_factor=1))
+    assert interpolation == mcore_args.model_fields(_args())  # a factor of 1 changes nothing
+
+
+def test_megatron_dropout_is_carried():
+    fields = mcore_args.model_fields(_args(hidden_dropout=0.0, attention_dropout=0.05))
+    assert (fields["hidden_dropout"], fields["attention_dropout"]) == (0.0, 0.05)

@@ -219,7 +219,7 @@ def test_use_checkpoint_args_refuses_mistyped_model_values(checkpoint: Path,
         before = tree_digest(root)
         cfg = parse_args(train_argv("gpt2", RESUME_ITERS, "--load", str(root),
                                     "--use-checkpoint-args"))
-        _, err = attempt(lambda: validate(with_checkpoint_args(cfg), 1), Megatron3dError)
+        _, err = attempt(lambda: validate(with_checkpoint_args(cfg)[0], 1), Megatron3dError)
         event("refused" if err else "taken")
         assert tree_digest(root) == before
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from megatron3d.checkpoint.loading import with_checkpoint_args
-from megatron3d.cli.arguments import parse_args
+from megatron3d.cli.arguments import parse_given
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState
@@ -36,7 +36,8 @@ def build(argv: list[str], overrides: Overrides | None = None, *,
     """The trainer ``pretrain_gpt.py argv`` would run, on the initialised process group;
     ``hooks`` (``on_step=...``) are the trainer's ``Hooks``, ``overrides`` the rest;
     ``directed_links`` as ``ParallelState.build`` takes it."""
-    cfg = with_checkpoint_args(parse_args(argv))
+    parsed, _, given = parse_given(argv)
+    cfg, _ = with_checkpoint_args(parsed, given)
     validate(cfg, torch.distributed.get_world_size())
     state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                 cfg.parallel.pipeline_model_parallel_size,

@@ -13,16 +13,26 @@ from __future__ import annotations
 import json
 import pickle
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
-from megatron3d.config import ModelConfig, ParallelConfig, TrainConfig, TrainingConfig
+from megatron3d.config import (
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    TrainingConfig,
+)
 from megatron3d.convert.contents import Layout, model_tensors, stage_params
-from megatron3d.convert.hf import mapping, tensor_map
+from megatron3d.convert.hf import import_checks, mapping, numerics, tensor_map, tokenizer_files
 from megatron3d.convert.offline import write_checkpoint
 from megatron3d.errors import CheckpointError, ConfigError
+from megatron3d.log import get_logger
+
+logger = get_logger(__name__)
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -40,9 +50,18 @@ def read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def weights(directory: Path) -> Callable[[str], torch.Tensor]:
-    """Tensor name -> tensor, read lazily from the directory's weight files. Every file is
-    opened here, so a missing package or an unreadable file is refused before any writing."""
+@dataclass(frozen=True)
+class Weights:
+    """A model directory's tensors by their names: ``shape`` from the files' headers,
+    ``tensor`` read (as fp32) when asked."""
+
+    shape: Callable[[str], tuple[int, ...]]
+    tensor: Callable[[str], torch.Tensor]
+
+
+def weights(directory: Path) -> Weights:
+    """The directory's weight files, read lazily. Every file is opened here, so a missing
+    package or an unreadable file is refused before any writing."""
     index = directory / "model.safetensors.index.json"
     single = directory / "model.safetensors"
     if index.exists() or single.exists():
@@ -51,7 +70,8 @@ def weights(directory: Path) -> Callable[[str], torch.Tensor]:
     binary = directory / "pytorch_model.bin"
     if binary.exists():
         state = _load_binary(binary)
-        return lambda name: _lookup(state, name, binary)
+        return Weights(lambda name: tuple(_lookup(state, name, binary).shape),
+                       lambda name: _lookup(state, name, binary).to(torch.float32))
     raise ConfigError(f"--hf {directory} has no model.safetensors, sharded safetensors or "
                       "pytorch_model.bin: pass a Hugging Face model directory")
 
@@ -67,17 +87,24 @@ def _safetensors() -> tuple[Callable[..., Any], type[Exception]]:
 
 
 def _weight_map(index: Path) -> dict[str, Path]:
-    """Tensor name -> shard file, from a sharded checkpoint's index."""
+    """Tensor name -> shard file, from a sharded checkpoint's index; every file a plain
+    name inside the model directory (an index must not make the import read elsewhere)."""
     try:
         mapping = json.loads(index.read_text())["weight_map"]
-        return {name: index.parent / file for name, file in mapping.items()}
+        files = {name: PurePosixPath(file) for name, file in mapping.items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
         raise ConfigError(f"{index} is not a safetensors index (JSON with a weight_map of "
                           "tensor name -> file): the directory is damaged") from None
+    for name, file in files.items():
+        if file.is_absolute() or ".." in file.parts or "\\" in str(file):
+            raise ConfigError(f"{index} names {str(file)!r} for {name}, outside the model "
+                              "directory: an index may only name files beside it; fix the "
+                              "index or save the model again")
+    return {name: index.parent / file for name, file in files.items()}
 
 
 def _safetensors_weights(directory: Path, files: dict[str, Path] | None,
-                         single: Path) -> Callable[[str], torch.Tensor]:
+                         single: Path) -> Weights:
     safe_open, damaged = _safetensors()
     handles: dict[Path, tuple[Any, set[str]]] = {}
     for path in sorted(set(files.values())) if files is not None else [single]:
@@ -89,14 +116,16 @@ def _safetensors_weights(directory: Path, files: dict[str, Path] | None,
                               "damaged; download or save the model again") from None
         handles[path] = (handle, set(handle.keys()))
 
-    def get(name: str) -> torch.Tensor:
+    def handle_of(name: str) -> Any:
         path = files.get(name) if files is not None else single
         handle, names = handles.get(path, (None, set()))
         if name not in names:
             raise CheckpointError(f"{path or directory} has no tensor {name}: the weights do "
                                   "not match config.json")
-        return handle.get_tensor(name).to(torch.float32)
-    return get
+        return handle
+
+    return Weights(lambda name: tuple(handle_of(name).get_slice(name).get_shape()),
+                   lambda name: handle_of(name).get_tensor(name).to(torch.float32))
 
 
 def _load_binary(path: Path) -> dict[str, torch.Tensor]:
@@ -119,7 +148,7 @@ def _lookup(state: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tens
     if not isinstance(state.get(name), torch.Tensor):
         raise CheckpointError(f"{path} has no tensor {name}: the weights do not match "
                               "config.json")
-    return state[name].to(torch.float32)
+    return state[name]
 
 
 def import_hf(hf_dir: str, save: str, tp: int, pp: int,
@@ -127,13 +156,26 @@ def import_hf(hf_dir: str, save: str, tp: int, pp: int,
     """The checkpoint written and the most tensor bytes it held at once (one layer's).
     The config, the layout, the output and every weight file are checked first."""
     directory = Path(hf_dir)
-    model = ModelConfig(**mapping.model_fields(read_config(directory), seq_length))
+    hf = read_config(directory)
+    fields = mapping.model_fields(hf, seq_length)
+    import_checks.check_sizes(fields)
+    import_checks.check_positions(hf, seq_length)
+    model = ModelConfig(**fields)
     mapping.flavour_of(model)
     stage_params(model, Layout(tp, pp, 1, 0), ParallelConfig().pp_partition_method)  # checks
-    get = weights(directory)
+    found = weights(directory)
+    import_checks.check_shapes(import_checks.expected_shapes(model), found.shape)
+    get = import_checks.finite(found.tensor)
+    tokenizer = tokenizer_files.find(directory, model.vocab_size)
     cfg = TrainConfig(model=model, training=TrainingConfig(),
                       parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                              pipeline_model_parallel_size=pp))
+                                              pipeline_model_parallel_size=pp),
+                      data=DataConfig(**tokenizer.data) if tokenizer else DataConfig())
     pieces = [tensor_map.from_hf(model, names, get)
               for names in tensor_map.pieces_by_layer([t.meta.name for t in model_tensors(model)])]
-    return write_checkpoint(Path(save), cfg, pieces)
+    notices = [*numerics.differences(hf), *([tokenizer.notice] if tokenizer else [])]
+    for line in filter(None, notices):
+        logger.info("notice: %s", line)
+    logger.info("tokenizer: %s", f"{tokenizer.data['tokenizer_type']}, copied into the "
+                "checkpoint" if tokenizer else "none beside the model (training names its own)")
+    return write_checkpoint(Path(save), cfg, pieces, tokenizer.files if tokenizer else None)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron3d.config import ModelConfig
+from megatron3d.convert.hf import numerics
 from megatron3d.errors import ConfigError
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
@@ -111,6 +112,8 @@ def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
     if kind == "gpt2":
         _require(hf, "activation_function", lambda v: v in _TANH_GELU, "a tanh-GeLU")
         _require(hf, "tie_word_embeddings", lambda v: v is not False, "a tied head")
+        for key, want in numerics.GPT2_ATTENTION.items():
+            _require(hf, key, lambda v, w=want: v is w, str(want).lower())
         h, heads = _int(hf, "n_embd"), _int(hf, "n_head")
         _divisible(hf, "n_embd", "n_head")
         return {"num_layers": _int(hf, "n_layer"), "hidden_size": h,
@@ -118,7 +121,8 @@ def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
                 "max_position_embeddings": _int(hf, "n_positions"),
                 "seq_length": seq_length or _int(hf, "n_positions"),
                 "vocab_size": _int(hf, "vocab_size"),
-                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5)}
+                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5),
+                **numerics.dropouts(hf, "resid_pdrop", "attn_pdrop", 0.1)}
     if kind == "bloom":
         _require(hf, "apply_residual_connection_post_layernorm", lambda v: not v, "false")
         _require(hf, "tie_word_embeddings", lambda v: v is not False, "a tied head")
@@ -127,7 +131,8 @@ def model_fields(hf: dict[str, Any], seq_length: int | None) -> dict[str, Any]:
                 "num_attention_heads": _int(hf, "n_head"), "seq_length": seq_length or 2048,
                 "vocab_size": _int(hf, "vocab_size"), "position_embedding_type": "alibi",
                 "embed_layernorm": True,
-                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5)}
+                "layernorm_epsilon": _float(hf, "layer_norm_epsilon", 1e-5),
+                **numerics.dropouts(hf, "hidden_dropout", "attention_dropout", 0.0)}
     if kind in ("llama", "mistral", "qwen2"):
         return _llama_fields(hf, kind, seq_length)
     raise ConfigError(f"unsupported Hugging Face model_type {kind!r}: import supports gpt2, "
@@ -170,7 +175,8 @@ def _llama_fields(hf: dict[str, Any], kind: str, seq_length: int | None) -> dict
             "untie_embeddings_and_output_weights": not _bool(hf, "tie_word_embeddings", False),
             "layernorm_epsilon": _float(hf, "rms_norm_eps", 1e-6),
             "rotary_base": _float(rope, "rope_theta", _float(hf, "rope_theta", 10000.0)),
-            **(_llama3_fields(rope) if rope_type == "llama3" else {})}
+            **(_llama3_fields(rope) if rope_type == "llama3" else {}),
+            **numerics.dropouts(hf, None, "attention_dropout", 0.0)}
 
 
 def _llama3_fields(rope: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.config import TrainConfig
 from megatron3d.convert.contents import Owned, check_contents, model_tensors
 from megatron3d.convert.hf import mapping, tensor_map
-from megatron3d.convert.standalone import model_of, saved_config, tokenizer_spec
+from megatron3d.convert.standalone import checkpoint_config, model_of, tokenizer_spec
 from megatron3d.convert.streaming import PeakMemory, logical_tensors
 from megatron3d.data.tokenizer import build_tokenizer
 from megatron3d.errors import CheckpointError, ConfigError, TrainingError
@@ -78,7 +78,7 @@ def plan_export(load: str, output: str, verify: bool = True,
     save_file = _safetensors_writer()
     transformers = _transformers() if verify else None
     reader = CheckpointReader.latest(load)
-    cfg = saved_config(reader.meta)
+    cfg = checkpoint_config(reader)
     config = mapping.hf_config(cfg.model, _eod(cfg), family)  # refuses a model no class holds
     owned = model_tensors(cfg.model)
     check_contents(reader, [(p, "weight") for p in owned])

@@ -30,7 +30,10 @@ _OFF = {"apply_layernorm_1p": "a plain norm weight (no 1 + weight)", "qk_layerno
         "MLP (no mixture of experts)", "multi_latent_attention": "multi-head attention",
         "apply_residual_connection_post_layernorm": "pre-norm residuals",
         "rotary_interleaved": "rotate-half RoPE", "use_rope_scaling": "unscaled RoPE",
-        "heterogeneous_layers_config_path": "identical layers"}
+        "heterogeneous_layers_config_path": "identical layers", "qk_l2_norm": "no norm on "
+        "queries and keys", "window_size": "full causal attention (no sliding window)",
+        "mtp_num_layers": "next-token prediction only (no multi-token prediction layers)",
+        "no_rope_freq": "RoPE in every layer", "attention_output_gate": "ungated attention"}
 
 
 def _inert(qualified: str) -> Any:
@@ -75,6 +78,9 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
         _unsupported("add_qkv_bias", True, "biases on every linear layer or on none")
     _one_of(a, "position_embedding_type", _POSITIONS)
     _one_of(a, "normalization", _NORMS)
+    if a.get("rotary_seq_len_interpolation_factor") not in (None, 1):
+        _unsupported("rotary_seq_len_interpolation_factor",
+                     a["rotary_seq_len_interpolation_factor"], "uninterpolated RoPE positions")
     if a.get("rotary_percent", 1.0) != 1.0:
         _unsupported("rotary_percent", a["rotary_percent"], "RoPE on the whole head (1.0)")
     swiglu = bool(a.get("swiglu"))
@@ -100,7 +106,9 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
             "disable_bias_linear": not a.get("add_bias_linear", True),
             "untie_embeddings_and_output_weights":
                 bool(a.get("untie_embeddings_and_output_weights")),
-            "init_method_std": float(a.get("init_method_std", 0.02))}
+            "init_method_std": float(a.get("init_method_std", 0.02)),
+            "hidden_dropout": float(a.get("hidden_dropout", 0.1)),
+            "attention_dropout": float(a.get("attention_dropout", 0.1))}
 
 
 def _need(a: dict[str, Any], key: str) -> int:
