@@ -8,9 +8,13 @@ kernels a step, no host sync) and is read where the loop syncs anyway, at each l
 before each save:
 
 - ``--max-skipped-iters-in-a-row`` steps skipped in a row stop the run (exit 1, nothing saved);
-- a save whose last step was skipped with a non-finite loss is refused (the weights no longer
-  give a finite loss: publishing them would hide the last good checkpoint). Only the last
-  pipeline stage sees the loss, so a save agrees on it over the world (saves sync anyway).
+- a save is refused when its last steps were skipped with a non-finite loss, either
+  ``PERSISTENT`` of them in a row or every step of this run after its first (``--lr 1e30``:
+  step 1 ruins the weights, the rest are NaN): such weights no longer give a finite loss,
+  and publishing them would hide the last good checkpoint. One NaN loss at a save of a
+  long run is a bad batch, not a dead model: that save goes ahead (the skipped step left
+  the weights as they were). Only the last pipeline stage sees the loss, so a save agrees
+  on it over the world (saves sync anyway).
 
 The skip flags are agreed by every rank (the optimizer decides them on the device), so every
 rank raises at the same check and none is left waiting in a collective.
@@ -24,6 +28,9 @@ from megatron3d.errors import TrainingError
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
 
+PERSISTENT = 3
+"""Non-finite losses in a row at a save that mean the weights, not a batch, are broken."""
+
 
 class SkipWatch:
     """``add`` after every step, ``check`` at a log line or (``saving``) before a save."""
@@ -33,11 +40,14 @@ class SkipWatch:
         # [steps skipped in a row now, the longest such run since the last check, whether the
         # last step's loss was not finite]
         self._state = torch.zeros(3, device=device)
+        self._steps = 0  # steps of this run, counted on the host: no sync
+
 
     def add(self, skipped: torch.Tensor, loss: torch.Tensor) -> None:
         """One step: ``skipped`` and ``loss`` are 0-dim device tensors."""
         skip = (skipped.detach().reshape(()) != 0).to(self._state.dtype)
         state = self._state
+        self._steps += 1
         state[0] = (state[0] + 1) * skip
         state[1] = torch.maximum(state[1], state[0])
         state[2] = (~torch.isfinite(loss.detach().reshape(()))).to(state.dtype)
@@ -58,8 +68,9 @@ class SkipWatch:
                 f"or an fp16 --loss-scale overflows every step; --max-skipped-iters-in-a-row "
                 f"{self.window}): nothing more is saved; resume from the last good checkpoint "
                 "with a lower --lr, or use dynamic loss scaling")
-        if saving and run and not_finite:
+        if saving and not_finite and run >= min(PERSISTENT, self._steps - 1) and run:
             raise TrainingError(
-                f"the loss at iteration {iteration} is not finite and its step was skipped: "
+                f"the loss is not finite at the {int(run)} steps up to iteration {iteration}, "
+                "each skipped: "
                 "the weights no longer give a finite loss, so they are not saved; resume "
                 "from the last good checkpoint with --load and a lower --lr")

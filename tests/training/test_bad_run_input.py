@@ -123,6 +123,16 @@ def test_a_final_state_with_a_non_finite_loss_is_never_published():
         watch.check(3, saving=True)
 
 
+def test_one_bad_batch_at_a_save_of_a_long_run_is_saved():
+    """A NaN loss at the save of a healthy run is a bad batch (its step skipped, the weights
+    unchanged): the save goes ahead. Three in a row are a dead model: refused."""
+    healthy = [(False, 5.0)] * 10
+    _watch(100, [*healthy, (True, float("nan"))]).check(11, saving=True)
+    _watch(100, [*healthy, *[(True, float("nan"))] * 2]).check(12, saving=True)
+    with pytest.raises(TrainingError, match="not finite"):
+        _watch(100, [*healthy, *[(True, float("nan"))] * 3]).check(13, saving=True)
+
+
 def _quickstart_argv() -> list[str]:
     """pretrain_gpt.py's flags in scripts/quickstart.sh, on mock data."""
     text = (ROOT / "scripts" / "quickstart.sh").read_text()
