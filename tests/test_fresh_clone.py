@@ -14,7 +14,7 @@ import pytest
 
 from tests.test_scripts import BASH, FAILING_SCONTROL, REPO, _executable, slurm_env
 
-QUICKSTART_ARGS = ["--train-iters", "4", "--lr-warmup-iters", "1", "--eval-interval", "2",
+QUICKSTART_ARGS = ["--train-iters", "4", "--eval-interval", "2",
                    "--log-interval", "2"]  # the whole path, briefly
 FAKE_SRUN = """#!/bin/sh
 # srun on one node: drop the options, run the task here.

@@ -13,8 +13,10 @@ before each save:
   step 1 ruins the weights, the rest are NaN): such weights no longer give a finite loss,
   and publishing them would hide the last good checkpoint. One NaN loss at a save of a
   long run is a bad batch, not a dead model: that save goes ahead (the skipped step left
-  the weights as they were). Only the last pipeline stage sees the loss, so a save agrees
-  on it over the world (saves sync anyway).
+  the weights as they were), and so does one of a run that applied no step (its weights
+  are the ones it loaded: saving them again hides nothing; a damaged checkpoint that loads
+  finite weights giving a NaN loss is not this rule's to find). Only the last pipeline
+  stage sees the loss, so a save agrees on it over the world (saves sync anyway).
 
 The skip flags are agreed by every rank (the optimizer decides them on the device), so every
 rank raises at the same check and none is left waiting in a collective.
@@ -68,7 +70,8 @@ class SkipWatch:
                 f"or an fp16 --loss-scale overflows every step; --max-skipped-iters-in-a-row "
                 f"{self.window}): nothing more is saved; resume from the last good checkpoint "
                 "with a lower --lr, or use dynamic loss scaling")
-        if saving and not_finite and run >= min(PERSISTENT, self._steps - 1) and run:
+        changed = 0 < run < self._steps  # this run applied a step before the skipped ones
+        if saving and not_finite and changed and (run >= PERSISTENT or run == self._steps - 1):
             raise TrainingError(
                 f"the loss is not finite at the {int(run)} steps up to iteration {iteration}, "
                 "each skipped: "

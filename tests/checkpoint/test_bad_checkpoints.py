@@ -98,8 +98,8 @@ def test_keep_last_n_prunes_old_checkpoints(tmp_path):
     root = tmp_path / "run"
     assert pretrain_gpt.main(train_argv("gpt2", 5, "--save", str(root), "--save-interval", "1",
                                         "--keep-last-n", "2")) == 0
-    assert sorted(p.name for p in root.iterdir()) == [".lock", "iter_0000004", "iter_0000005",
-                                                      "latest"]  # .lock: save_lock.py
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000004", "iter_0000005",
+                                                      "latest"]  # no .lock: removed at exit
 
 
 def _checkpoint_dir(root, iteration: int, series: str) -> None:
@@ -135,7 +135,7 @@ def test_saving_removes_what_killed_saves_left(checkpoint, tmp_path):
     (root / "iter_0000004").mkdir()  # renamed, but its save never reached 'latest'
     assert pretrain_gpt.main(train_argv("gpt2", 4, "--load", str(root), "--save",
                                         str(root), "--override-opt-param-scheduler")) == 0
-    assert sorted(p.name for p in root.iterdir()) == [".lock", "iter_0000003", "iter_0000004",
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", "iter_0000004",
                                                       "latest"]
     assert (root / "iter_0000004" / "meta.json").exists()
     assert (root / "latest").read_text().strip() == "4"

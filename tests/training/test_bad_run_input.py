@@ -7,6 +7,7 @@ written, instead of a traceback, a hang exit or a published dead state.
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 import pretrain_gpt
 from megatron3d.checkpoint import io
-from megatron3d.checkpoint.save_lock import SaveLock
+from megatron3d.checkpoint.save_lock import SaveLock, _same_file
 from megatron3d.cli.arguments import parse_args
 from megatron3d.errors import TrainingError
 from megatron3d.mpu.state import AxisGroup
@@ -125,12 +126,14 @@ def test_a_final_state_with_a_non_finite_loss_is_never_published():
 
 def test_one_bad_batch_at_a_save_of_a_long_run_is_saved():
     """A NaN loss at the save of a healthy run is a bad batch (its step skipped, the weights
-    unchanged): the save goes ahead. Three in a row are a dead model: refused."""
+    unchanged): the save goes ahead. Three in a row are a dead model: refused. A run that
+    applied no step saves the weights it loaded."""
     healthy = [(False, 5.0)] * 10
     _watch(100, [*healthy, (True, float("nan"))]).check(11, saving=True)
     _watch(100, [*healthy, *[(True, float("nan"))] * 2]).check(12, saving=True)
     with pytest.raises(TrainingError, match="not finite"):
         _watch(100, [*healthy, *[(True, float("nan"))] * 3]).check(13, saving=True)
+    _watch(100, [(True, float("nan"))] * 4).check(4, saving=True)  # the loaded weights
 
 
 def _quickstart_argv() -> list[str]:
@@ -149,3 +152,22 @@ def _quickstart_argv() -> list[str]:
 def test_quickstart_takes_a_train_iters_override(iters):
     """``bash scripts/quickstart.sh --train-iters 10`` failed: warmup 10 >= the decay."""
     validate(parse_args([*_quickstart_argv(), "--train-iters", iters]), 8)
+
+
+def test_the_save_lock_leaves_the_directory_as_it_found_it(tmp_path):
+    """The lock file goes with the run (removed while still locked), and a --save directory
+    the lock made is removed if the run left nothing in it. A run that locked a file its
+    holder removed meanwhile sees that the name no longer names it, and locks anew."""
+    with SaveLock.take(tmp_path / "new"):
+        assert (tmp_path / "new" / ".lock").exists()
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    with SaveLock.take(tmp_path / "kept"):
+        late = os.open(tmp_path / "kept" / ".lock", os.O_RDWR)  # opened as the holder ends
+    assert list((tmp_path / "kept").iterdir()) == []
+    try:
+        assert not _same_file(late, tmp_path / "kept" / ".lock")
+        with SaveLock.take(tmp_path / "kept"):
+            assert not _same_file(late, tmp_path / "kept" / ".lock")
+    finally:
+        os.close(late)
