@@ -19,6 +19,7 @@ as a resharded load does. One target pipeline stage is in memory at a time.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import shutil
 from collections.abc import Iterator
@@ -31,13 +32,15 @@ import torch
 from megatron3d.checkpoint import chunk_index, io, safety
 from megatron3d.checkpoint.chunks import new_chunk, tp_slice
 from megatron3d.checkpoint.reader import CheckpointReader
-from megatron3d.config import ModelConfig
+from megatron3d.config import ModelConfig, TrainingConfig
+from megatron3d.config.ranges import BATCH
 from megatron3d.convert.contents import Layout, Owned, check_contents, saved_kinds, stage_params
 from megatron3d.convert.standalone import saved_config
 from megatron3d.convert.streaming import logical_tensors
 from megatron3d.errors import ConfigError
 from megatron3d.mpu.meta import ParamMeta
 from megatron3d.mpu.topology import Topology
+from megatron3d.optim.batch_schedule import BatchSchedule
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ def reshape(load: str, save: str, tp: int, pp: int, dp: int = 1, zero_stage: int
     reader = CheckpointReader.latest(load)
     cfg = saved_config(reader.meta)
     target = Layout(tp, pp, dp, cfg.parallel.zero_stage if zero_stage is None else zero_stage)
+    _check_batch(cfg.training, reader.meta["layout"]["dp"], dp)  # bounds the rank files
     method = partition_method or cfg.parallel.pp_partition_method
     stages = stage_params(cfg.model, target, method)
     root = Path(save)
@@ -68,6 +72,29 @@ def reshape(load: str, save: str, tp: int, pp: int, dp: int = 1, zero_stage: int
     final = _write(root, meta, _rank_files(reader, cfg.model, wanted, target))
     sizes = [sum(4 * math.prod(p.shape) for p, _ in pairs) for pairs in wanted]
     return ReshapeReport(final, target, sum(map(len, wanted)), max(sizes))
+
+
+def _check_batch(training: TrainingConfig, saved_dp: int, dp: int) -> None:
+    """A data-parallel size the saved run's batch can train at (each rank takes whole
+    micro-batches of every global batch, ``BatchSchedule``'s rule); a converted checkpoint,
+    which records no batch yet, at most the largest global batch a run takes (``BATCH``).
+    Each DP rank is a rank file per (TP, PP) rank, so a typo must not write 10**5 of them."""
+    if training.micro_batch_size is None:
+        if dp not in BATCH:
+            raise ConfigError(f"--data-parallel-size {dp} exceeds {BATCH.high}, the largest "
+                              "global batch a run takes (each DP rank needs a sample of it): "
+                              "give a smaller size; nothing was written")
+        return
+    gbs = training.global_batch_size or training.micro_batch_size * saved_dp
+    try:
+        BatchSchedule.from_config(dataclasses.replace(training, global_batch_size=gbs), dp)
+    except ConfigError:
+        most = gbs // training.micro_batch_size
+        raise ConfigError(f"--data-parallel-size {dp} cannot train the saved run's global "
+                          f"batch of {gbs} in micro-batches of {training.micro_batch_size}: "
+                          f"give a DP that divides {most} (and every rampup size), or load "
+                          "the checkpoint directly at any layout with a new "
+                          "--global-batch-size; nothing was written") from None
 
 
 def _check_new_root(root: Path) -> None:
