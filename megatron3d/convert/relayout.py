@@ -19,7 +19,6 @@ as a resharded load does. One target pipeline stage is in memory at a time.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import shutil
 from collections.abc import Iterator
@@ -40,7 +39,6 @@ from megatron3d.convert.streaming import logical_tensors
 from megatron3d.errors import ConfigError
 from megatron3d.mpu.meta import ParamMeta
 from megatron3d.mpu.topology import Topology
-from megatron3d.optim.batch_schedule import BatchSchedule
 
 
 @dataclass(frozen=True)
@@ -75,26 +73,20 @@ def reshape(load: str, save: str, tp: int, pp: int, dp: int = 1, zero_stage: int
 
 
 def _check_batch(training: TrainingConfig, saved_dp: int, dp: int) -> None:
-    """A data-parallel size the saved run's batch can train at (each rank takes whole
-    micro-batches of every global batch, ``BatchSchedule``'s rule); a converted checkpoint,
-    which records no batch yet, at most the largest global batch a run takes (``BATCH``).
-    Each DP rank is a rank file per (TP, PP) rank, so a typo must not write 10**5 of them."""
+    """At most as many data-parallel ranks as the saved run's global batch has samples (each
+    rank takes at least one per step; a larger batch can be set when loading at any layout);
+    for a converted checkpoint, which records no batch yet, the largest batch a run takes
+    (``BATCH``). Each DP rank is a rank file per (TP, PP) rank: a typo must not write 10**5."""
     if training.micro_batch_size is None:
-        if dp not in BATCH:
-            raise ConfigError(f"--data-parallel-size {dp} exceeds {BATCH.high}, the largest "
-                              "global batch a run takes (each DP rank needs a sample of it): "
-                              "give a smaller size; nothing was written")
-        return
-    gbs = training.global_batch_size or training.micro_batch_size * saved_dp
-    try:
-        BatchSchedule.from_config(dataclasses.replace(training, global_batch_size=gbs), dp)
-    except ConfigError:
-        most = gbs // training.micro_batch_size
-        raise ConfigError(f"--data-parallel-size {dp} cannot train the saved run's global "
-                          f"batch of {gbs} in micro-batches of {training.micro_batch_size}: "
-                          f"give a DP that divides {most} (and every rampup size), or load "
-                          "the checkpoint directly at any layout with a new "
-                          "--global-batch-size; nothing was written") from None
+        most, what = int(BATCH.high), "the largest global batch a run takes"
+    else:
+        most = training.global_batch_size or training.micro_batch_size * saved_dp
+        what = f"the saved run's global batch of {most} samples"
+    if dp > most:
+        raise ConfigError(f"--data-parallel-size {dp} exceeds {what} (each data-parallel rank "
+                          f"takes at least one sample per step): give at most {most}, or load "
+                          "the checkpoint directly at any layout with a larger "
+                          "--global-batch-size; nothing was written")
 
 
 def _check_new_root(root: Path) -> None:

@@ -32,7 +32,12 @@ import sys
 from collections.abc import Sequence
 
 from megatron3d.cli import compat
-from megatron3d.cli.arguments import build_parser, parse_command_line, read_config_file
+from megatron3d.cli.arguments import (
+    build_parser,
+    field_specs,
+    parse_command_line,
+    read_config_file,
+)
 from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool
 from megatron3d.config import TrainConfig
 from megatron3d.config.ranges import AT_LEAST_ONE, Range
@@ -40,7 +45,6 @@ from megatron3d.errors import ConfigError
 from megatron3d.planner.hardware import A100_80GB, Cluster
 from megatron3d.planner.report import summary, table, to_json
 from megatron3d.planner.search import Fixed, Planner
-from megatron3d.validation import flag
 
 # Far past any cluster or GPU, small enough that byte counts and rank enumeration stay
 # exact and quick (1e300 GiB overflows the byte count; 10**12 nodes, the layout search).
@@ -134,7 +138,7 @@ def _complete(cfg: TrainConfig) -> TrainConfig:
     if missing:
         raise ConfigError("the plan needs the model: pass --num-layers, --hidden-size, "
                           "--num-attention-heads and --seq-length (missing: "
-                          f"{', '.join(flag(name) for name in missing)})")
+                          f"{', '.join(field_specs()[name].flag for name in missing)})")
     if training.train_iters is None and training.train_samples is None:
         training = dataclasses.replace(training, train_iters=1)
     if optimizer.lr is None:

@@ -106,10 +106,10 @@ def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(ckpt, tmp_path
 
 @pytest.mark.parametrize(("training", "dp", "expected"), [
     (TrainingConfig(micro_batch_size=2, global_batch_size=8), "100000",
-     "--data-parallel-size 100000 cannot train the saved run's global batch of 8 in "
-     "micro-batches of 2: give a DP that divides 4"),
-    (TrainingConfig(micro_batch_size=2), "3", "batch of 2 in micro-batches of 2"),
-    (TrainingConfig(), str(2**24 + 1), f"--data-parallel-size {2**24 + 1} exceeds 16777216"),
+     "--data-parallel-size 100000 exceeds the saved run's global batch of 8 samples"),
+    (TrainingConfig(micro_batch_size=2), "3", "exceeds the saved run's global batch of 2 "),
+    (TrainingConfig(), str(2**24 + 1), f"--data-parallel-size {2**24 + 1} exceeds the "
+     "largest global batch a run takes"),
 ], ids=["a run's batch", "a default batch (micro-batch x the saved DP)", "converted"])
 def test_reshape_bounds_the_rank_files_by_the_saved_batch(tmp_path, capsys, training, dp,
                                                           expected):
