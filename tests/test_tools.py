@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -18,6 +19,7 @@ from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool
 from megatron3d.config.ranges import NON_NEGATIVE, SIZE
 from megatron3d.data.prep.indexed_builder import IndexedDatasetBuilder
 from megatron3d.errors import ConfigError, DataError, TrainingError
+from megatron3d.resilience.hang_dump import DATA_MARKER
 from tests.helpers.tools import load_tool
 
 NAMES = ("preprocess_data", "train_tokenizer", "prepare_data_cache", "hang_report",
@@ -128,7 +130,8 @@ CASES = [
     ("stdlib_corpus", ["--output", "c.jsonl", "--max-mb", "-1"], "--max-mb='-1'"),
     ("stdlib_corpus", ["--outptu", "c.jsonl"], "required: --output"),
     ("plan_topology", PLAN[2:], "required: --nodes"),
-    ("plan_topology", [*PLAN, "--nodes", "0"], "--nodes='0'): expected a whole number >= 1"),
+    ("plan_topology", [*PLAN, "--nodes", "0"], "--nodes='0'): expected a whole number in "
+     "[1, 65536]"),
     ("plan_topology", [*PLAN, "--gpu-memory-gb", "nan"], "--gpu-memory-gb='nan'"),
     ("plan_topology", [*PLAN, "--inter-node-gbps=-1"], "--inter-node-gbps='-1'"),
     ("plan_topology", [*PLAN, "--tp"], "write it as '--tp INT'"),
@@ -142,6 +145,16 @@ CASES = [
      "fix the chunks with --virtual-pipeline-model-parallel-size"),
     ("plan_topology", [*PLAN[:-6], "--data-path", "tokens", "--tokenizer-type",
                        "NullTokenizer"], "the plan needs the vocabulary size"),
+    ("plan_topology", [*PLAN, "--gpu-memory-gb", "1e300"], "--gpu-memory-gb='1e300'): "
+     "expected a finite number in (0, 1048576]"),
+    ("plan_topology", [*PLAN, "--gpu-peak-tflops", "1e300"], "--gpu-peak-tflops='1e300'"),
+    ("plan_topology", [*PLAN, "--nodes", str(10**12)], "--nodes='1000000000000'): expected "
+     "a whole number in [1, 65536]"),
+    ("plan_topology", [*PLAN, "--gpus-per-node", str(10**6)], "--gpus-per-node='1000000'"),
+    ("plan_topology", PLAN[:4], "the plan needs the model: pass --num-layers, --hidden-size, "
+     "--num-attention-heads and --seq-length (missing: --num-layers, --hidden-size, "
+     "--num-attention-heads, --seq-length)"),
+    ("plan_topology", [*PLAN[:4], "--num-layers", "2"], "(missing: --hidden-size"),
 ]
 
 
@@ -216,20 +229,51 @@ def test_number_flags_name_flag_value_and_range():
     assert "A size. Default: 4. Allowed: [1, 1048576]." in parser.format_help()
 
 
-@pytest.mark.parametrize("data", [
-    {}, {"rank": 0, "job": "", "world_size": 1}, [1, 2],
-    {"rank": 0, "job": "", "world_size": 1, "written": 1.0, "sizes": {}, "coords": {},
-     "iteration": 3, "main_stack": [], "ops": [{"seq": "x"}]},
-], ids=["empty", "no ops", "not an object", "damaged op"])
-def test_a_damaged_hang_dump_is_skipped_with_its_reason(capsys, data):
-    from megatron3d.resilience.hang_dump import DATA_MARKER, FORMAT
+OP = {"seq": 0, "kind": "all_reduce", "group": "dp", "ranks": [0, 1], "group_seq": 0,
+      "peer": None, "shape": [4], "dtype": "float32", "iteration": 3, "program": 0,
+      "step": None, "instruction": "F0", "tag": None, "completed": False}
+DUMP = {"rank": 0, "world_size": 2, "job": "j", "written": 1.0, "iteration": 3,
+        "sizes": {"tp": 1, "pp": 1, "dp": 2}, "coords": {"tp": 0, "pp": 0, "dp": 0},
+        "main_stack": ["loop.py:1 in run"], "phase": "train", "reason": "stall", "ops": [OP]}
+
+
+def _op(**changes) -> dict:
+    return {**DUMP, "ops": [{**OP, **changes}]}
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    ({}, "field 'rank'"), ({"rank": 0, "job": "", "world_size": 1}, "field 'written'"),
+    ([1, 2], "has dump format list"), ({**DUMP, "ops": [{"seq": "x"}]}, "ops[0] field 'seq'"),
+    ({**DUMP, "world_size": 2**40, "sizes": {"tp": 1, "pp": 1, "dp": 2**40}},
+     "world_size 1099511627776 is not in [1, 1048576]"),
+    ({**DUMP, "rank": 5}, "rank 5 is outside world_size 2"),
+    ({**DUMP, "sizes": {}}, "sizes {} are not tp, pp, dp"),
+    ({**DUMP, "sizes": {"tp": 0, "pp": 1, "dp": 2}}, "are not tp, pp, dp multiplying"),
+    (_op(ranks=["a", 1]), "ops[0] names a rank outside world_size 2"),
+    (_op(ranks=[0, 7]), "ops[0] names a rank outside"), (_op(ranks=[{}]), "names a rank"),
+    (_op(kind="send"), "(or no peer)"), (_op(kind="recv", peer=9), "names a rank outside"),
+    (_op(shape=[[1]]), "ops[0] has a shape or tag"), (_op(tag=[{}, []]), "a shape or tag"),
+    ({k: v for k, v in DUMP.items() if k != "phase"}, "field 'phase'"),
+], ids=["empty", "no ops", "not an object", "damaged op", "2**40 ranks", "rank outside",
+        "no sizes", "tp 0", "rank text", "rank outside", "rank object", "send without peer",
+        "peer outside", "nested shape", "tag objects", "no phase"])
+def test_a_damaged_hang_dump_is_skipped_with_its_reason(capsys, data, why):
+    from megatron3d.resilience.hang_dump import FORMAT
 
     payload = {"format": FORMAT, **data} if isinstance(data, dict) else data
     Path("d/rank-00000.txt").write_text(f"{DATA_MARKER}\n{json.dumps(payload)}\n")
     assert tool("hang_report").main(["d"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no readable rank-XXXXX.txt dump in d (skipped rank-00000.txt")
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and why in err, err
+
+
+def test_a_hang_dump_that_is_not_a_regular_file_is_skipped(capsys):
+    os.mkfifo("d/rank-00001.txt")  # reading it would block forever
+    Path("d/rank-00000.txt").write_text(f"{DATA_MARKER}\n{json.dumps({'format': 2, **DUMP})}\n")
+    assert tool("hang_report").main(["d"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped rank-00001.txt: not a regular file" in out and "1 of 2 ranks" in out
 
 
 def test_plan_topology_ranks_layouts_and_writes_json(capsys):

@@ -166,14 +166,19 @@ def read_latest(root: Path) -> int:
         raise CheckpointError(f"{path} cannot be read as an iteration number "
                               f"({type(err).__name__}); it is damaged: write the iteration "
                               "to load into it, or --load another directory") from None
-    if not text.isdigit():
+    iteration = parse_iteration(text)
+    if iteration is None:
         raise CheckpointError(f"{path} should hold an iteration number, found {text[:40]!r}: "
                               "write the iteration to load into it, or --load another "
                               "directory")
-    if len(text.lstrip("0")) > _ITERATION_DIGITS:  # int() refuses 4301+ digits: a traceback
-        raise CheckpointError(f"{path} holds a {len(text)}-digit number, {text[:20]}..., not "
-                              "an iteration: write the iteration to load into it, or --load "
-                              "another directory")
+    return iteration
+
+
+def parse_iteration(text: str) -> int | None:
+    """``text`` as an iteration number, or None unless it is ASCII digits of an int64 (str's
+    ``isdigit`` also takes '²', which ``int`` refuses, and ``int`` refuses 4301+ digits)."""
+    if not (text.isascii() and text.isdigit()) or len(text.lstrip("0")) > _ITERATION_DIGITS:
+        return None
     return int(text)
 
 

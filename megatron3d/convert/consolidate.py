@@ -8,8 +8,9 @@ little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}
 little-endian bytes back to back. The shapes come from the chunk descriptions
 (``CheckpointReader.shape``, checked against the model first), so the header goes first
 and each tensor follows as it is assembled, one at a time (``streaming.logical_tensors``).
-The file is written as ``OUTPUT.tmp`` and renamed when complete: a failure leaves nothing
-behind.
+The file is written under a fresh name of its own (``OUTPUT.<pid>.<random>.tmp``, created
+exclusively, so no file of the user's is replaced or removed) and renamed when complete: a
+failure leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.convert.contents import check_contents, model_tensors
+from megatron3d.convert.staging import staging_path
 from megatron3d.convert.standalone import saved_config
 from megatron3d.convert.streaming import logical_tensors
 from megatron3d.errors import CheckpointError, ConfigError
@@ -54,9 +56,12 @@ def consolidate(load: str, output: str) -> ConsolidateReport:
     shapes = {p.meta.name: reader.shape(p.meta.name) for p in owned}  # in layer order
     header = _header(shapes, {"format": "pt", "iteration": str(reader.meta["iteration"]),
                               "model": json.dumps(reader.meta["config"]["model"])})
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = None
     try:
-        with open(tmp, "wb") as f:
+        staged = staging_path(out)
+        handle = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        tmp = staged  # created by this run from here on
+        with os.fdopen(handle, "wb") as f:
             f.write(header)
             for name, _, tensor in logical_tensors(reader, ((n, "weight") for n in shapes)):
                 if tuple(tensor.shape) != shapes[name]:  # the header promised this shape
@@ -67,14 +72,20 @@ def consolidate(load: str, output: str) -> ConsolidateReport:
             os.fsync(f.fileno())
         os.replace(tmp, out)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise CheckpointError(f"cannot write {out} ({err.strerror or err}): free space or "
                               "choose another --output; nothing was written") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
     sizes = [4 * math.prod(shape) for shape in shapes.values()]
     return ConsolidateReport(out, len(shapes), sum(sizes), max(sizes))
+
+
+def _remove(tmp: Path | None) -> None:
+    """The file this run created, if it got that far."""
+    if tmp is not None:
+        tmp.unlink(missing_ok=True)
 
 
 def _header(shapes: dict[str, tuple[int, ...]], metadata: dict[str, str]) -> bytes:

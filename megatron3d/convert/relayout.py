@@ -31,7 +31,8 @@ import torch
 from megatron3d.checkpoint import chunk_index, io, safety
 from megatron3d.checkpoint.chunks import new_chunk, tp_slice
 from megatron3d.checkpoint.reader import CheckpointReader
-from megatron3d.config import ModelConfig
+from megatron3d.config import ModelConfig, TrainingConfig
+from megatron3d.config.ranges import BATCH
 from megatron3d.convert.contents import Layout, Owned, check_contents, saved_kinds, stage_params
 from megatron3d.convert.standalone import saved_config
 from megatron3d.convert.streaming import logical_tensors
@@ -57,6 +58,7 @@ def reshape(load: str, save: str, tp: int, pp: int, dp: int = 1, zero_stage: int
     reader = CheckpointReader.latest(load)
     cfg = saved_config(reader.meta)
     target = Layout(tp, pp, dp, cfg.parallel.zero_stage if zero_stage is None else zero_stage)
+    _check_batch(cfg.training, reader.meta["layout"]["dp"], dp)  # bounds the rank files
     method = partition_method or cfg.parallel.pp_partition_method
     stages = stage_params(cfg.model, target, method)
     root = Path(save)
@@ -68,6 +70,23 @@ def reshape(load: str, save: str, tp: int, pp: int, dp: int = 1, zero_stage: int
     final = _write(root, meta, _rank_files(reader, cfg.model, wanted, target))
     sizes = [sum(4 * math.prod(p.shape) for p, _ in pairs) for pairs in wanted]
     return ReshapeReport(final, target, sum(map(len, wanted)), max(sizes))
+
+
+def _check_batch(training: TrainingConfig, saved_dp: int, dp: int) -> None:
+    """At most as many data-parallel ranks as the saved run's global batch has samples (each
+    rank takes at least one per step; a larger batch can be set when loading at any layout);
+    for a converted checkpoint, which records no batch yet, the largest batch a run takes
+    (``BATCH``). Each DP rank is a rank file per (TP, PP) rank: a typo must not write 10**5."""
+    if training.micro_batch_size is None:
+        most, what = int(BATCH.high), "the largest global batch a run takes"
+    else:
+        most = training.global_batch_size or training.micro_batch_size * saved_dp
+        what = f"the saved run's global batch of {most} samples"
+    if dp > most:
+        raise ConfigError(f"--data-parallel-size {dp} exceeds {what} (each data-parallel rank "
+                          f"takes at least one sample per step): give at most {most}, or load "
+                          "the checkpoint directly at any layout with a larger "
+                          "--global-batch-size; nothing was written")
 
 
 def _check_new_root(root: Path) -> None:

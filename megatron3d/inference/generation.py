@@ -17,6 +17,7 @@ relative to where training ran; ``resolve_tokenizer`` takes flag overrides for t
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +124,7 @@ def _quietly_load(transformers: ModuleType, hf_dir: str) -> torch.nn.Module:
         raise ConfigError(f"--hf {hf_dir} cannot be loaded by transformers (its weights do "
                           "not fit its config.json): pass the directory "
                           "tools/checkpoint/export_hf.py wrote") from None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as err:  # torch.load's
         raise ConfigError(f"--hf {hf_dir} cannot be loaded by transformers "
                           f"({str(err).strip().splitlines()[0][:120]}): pass the directory "
                           "tools/checkpoint/export_hf.py wrote") from None

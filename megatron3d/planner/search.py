@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 
 from megatron3d.accounting.fit import fullest, layout_memory, shortfall
@@ -99,7 +100,9 @@ def _choices(fixed: int | str | None, options: list | tuple) -> list | tuple:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """In increasing order, in about sqrt(n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 class Planner:

@@ -61,7 +61,7 @@ def read_dump(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} has dump format {found}, expected {FORMAT}")
     wrong = _wrong(data, _FIELDS) or next(
         (f"ops[{i}] {w}" for i, op in enumerate(data["ops"]) if (w := _wrong(op, _OP_FIELDS))),
-        None)
+        None) or _impossible(data)
     if wrong:
         raise ValueError(f"{path} is a damaged dump ({wrong})")
     return data
@@ -70,7 +70,8 @@ def read_dump(path: Path) -> dict[str, Any]:
 # What hang_report reads, with the JSON types it expects.
 _INT, _NUM, _TEXT, _LIST, _BOOL = (int,), (int, float), (str,), (list,), (bool,)
 _FIELDS = {"rank": _INT, "world_size": _INT, "job": _TEXT, "written": _NUM, "ops": _LIST,
-           "sizes": (dict,), "coords": (dict,), "iteration": _INT, "main_stack": _LIST}
+           "sizes": (dict,), "coords": (dict,), "iteration": _INT, "main_stack": _LIST,
+           "phase": _TEXT, "reason": _TEXT}
 _OP_FIELDS = {"seq": _INT, "kind": _TEXT, "group": _TEXT, "ranks": _LIST, "group_seq": _INT,
               "peer": (int, type(None)), "shape": _LIST, "dtype": _TEXT,
               "iteration": _INT, "program": _INT, "step": (int, type(None)),
@@ -85,6 +86,33 @@ def _wrong(data: Any, fields: dict[str, tuple[type, ...]]) -> str | None:
         value = data.get(key)
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             return f"field {key!r} is missing or not {types[0].__name__}"
+    return None
+
+
+MAX_WORLD_SIZE = 2**20
+"""Ranks a dump may claim: far past any job, while the report lists every rank (a dump
+claiming 2**40 would otherwise take the machine's memory)."""
+_P2P = ("send", "recv")
+
+
+def _impossible(data: dict[str, Any]) -> str | None:
+    """The first value of a well-typed dump that no job writes, as words; None if none:
+    the report does arithmetic and lookups on ranks, sizes, shapes and tags."""
+    world, rank, sizes = data["world_size"], data["rank"], data["sizes"]
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        return f"world_size {world} is not in [1, {MAX_WORLD_SIZE}]"
+    if not 0 <= rank < world:
+        return f"rank {rank} is outside world_size {world}"
+    axes = [sizes.get(axis) for axis in ("tp", "pp", "dp")]
+    if not all(type(n) is int and n >= 1 for n in axes) or axes[0] * axes[1] * axes[2] != world:
+        return f"sizes {str(sizes)[:60]} are not tp, pp, dp multiplying to world_size {world}"
+    for i, op in enumerate(data["ops"]):
+        ranks = [*op["ranks"], *([op["peer"]] if op["kind"] in _P2P else [])]
+        if not all(type(r) is int and 0 <= r < world for r in ranks):
+            return f"ops[{i}] names a rank outside world_size {world} (or no peer)"
+        if not all(type(n) is int for n in op["shape"]) or not all(
+                type(t) in (int, str) for t in op["tag"] or ()):
+            return f"ops[{i}] has a shape or tag that is not whole numbers and text"
     return None
 
 

@@ -71,6 +71,9 @@ def load_dumps(directory: Path) -> tuple[dict[int, Dump], list[str]]:
     """rank -> dump of the newest job in ``directory``; plus notes on skipped files."""
     dumps, notes = {}, []
     for path in sorted(directory.glob("rank-*.txt")):
+        if not path.is_file():  # a FIFO would block the read forever
+            notes.append(f"skipped {path.name}: not a regular file")
+            continue
         try:
             data = read_dump(path)
         except (OSError, ValueError) as err:

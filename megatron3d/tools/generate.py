@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool
 from megatron3d.config import DataConfig
-from megatron3d.config.ranges import AT_LEAST_ONE, POSITIVE, SEED, SIZE
+from megatron3d.config.ranges import AT_LEAST_ONE, SEED, SIZE, Range
 from megatron3d.convert.standalone import checkpoint_config, load_model
 from megatron3d.data.tokenizer import TOKENIZER_TYPES, Tokenizer
 from megatron3d.errors import ConfigError
@@ -37,6 +37,7 @@ from megatron3d.inference.generation import (
     resolve_tokenizer,
 )
 
+TEMPERATURE = Range(1e-3)  # logits / T stays finite in fp32 (transformers divides in fp32)
 _TOKENIZER_FIELDS = ("tokenizer_model", "vocab_file", "merge_file", "tokenizer_name_or_path")
 
 
@@ -57,8 +58,9 @@ def _parser() -> OneLineParser:
     add_int(p, "--max-new-tokens", SIZE, "Most tokens to generate (default: until the "
             "context is full).")
     add_int(p, "--top-k", AT_LEAST_ONE, "Sample from the K most likely tokens.")
-    add_float(p, "--temperature", POSITIVE, "Sample with logits divided by T (1 if only "
-              "--top-k is given).")
+    add_float(p, "--temperature", TEMPERATURE, "Sample with logits divided by T (1 if only "
+              "--top-k is given); below 0.001 the draw is the argmax anyway (drop the flag "
+              "for greedy), and fp32 logits divided by it would overflow.")
     add_int(p, "--seed", SEED, f"Seed of the sampling generator (default {DEFAULT_SEED}); "
             "sampling only.")
     tokenizer = p.add_argument_group("tokenizer overrides (default: what the run recorded)")

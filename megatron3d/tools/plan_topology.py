@@ -32,15 +32,24 @@ import sys
 from collections.abc import Sequence
 
 from megatron3d.cli import compat
-from megatron3d.cli.arguments import build_parser, parse_command_line, read_config_file
+from megatron3d.cli.arguments import (
+    build_parser,
+    field_specs,
+    parse_command_line,
+    read_config_file,
+)
 from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool
 from megatron3d.config import TrainConfig
-from megatron3d.config.ranges import AT_LEAST_ONE, POSITIVE, Range
+from megatron3d.config.ranges import AT_LEAST_ONE, Range
 from megatron3d.errors import ConfigError
 from megatron3d.planner.hardware import A100_80GB, Cluster
 from megatron3d.planner.report import summary, table, to_json
 from megatron3d.planner.search import Fixed, Planner
 
+# Far past any cluster or GPU, small enough that byte counts and rank enumeration stay
+# exact and quick (1e300 GiB overflows the byte count; 10**12 nodes, the layout search).
+COUNT, HARDWARE = Range(1, 2**16), Range(0, 2**20, low_open=True)
+_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 _ALIASES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size"}
 _SWITCHES = {"--json"}  # the planner's flags that take no value
 
@@ -49,15 +58,15 @@ def _planner_parser() -> OneLineParser:
     p = OneLineParser(prog="plan_topology.py", description=__doc__.splitlines()[0],
                       epilog="Every pretrain_gpt.py flag is accepted too "
                       "(python pretrain_gpt.py --help).")
-    add_int(p, "--nodes", AT_LEAST_ONE, "Nodes of the cluster.", required=True)
-    add_int(p, "--gpus-per-node", AT_LEAST_ONE, "GPUs per node.", required=True)
-    add_float(p, "--gpu-memory-gb", POSITIVE, "GiB per GPU, as nvidia-smi lists it.",
+    add_int(p, "--nodes", COUNT, "Nodes of the cluster.", required=True)
+    add_int(p, "--gpus-per-node", COUNT, "GPUs per node.", required=True)
+    add_float(p, "--gpu-memory-gb", HARDWARE, "GiB per GPU, as nvidia-smi lists it.",
               default=A100_80GB["gpu_memory_gb"])
-    add_float(p, "--gpu-peak-tflops", POSITIVE, "Dense bf16/fp16 peak TFLOP/s per GPU.",
+    add_float(p, "--gpu-peak-tflops", HARDWARE, "Dense bf16/fp16 peak TFLOP/s per GPU.",
               default=A100_80GB["gpu_peak_tflops"])
-    add_float(p, "--intra-node-gbps", POSITIVE, "One GPU's NVLink bandwidth to the others of "
+    add_float(p, "--intra-node-gbps", HARDWARE, "One GPU's NVLink bandwidth to the others of "
               "its node, one direction, Gb/s.", default=A100_80GB["intra_node_gbps"])
-    add_float(p, "--inter-node-gbps", POSITIVE, "One node's network bandwidth, all links "
+    add_float(p, "--inter-node-gbps", HARDWARE, "One node's network bandwidth, all links "
               "together, one direction, Gb/s.", default=A100_80GB["inter_node_gbps"])
     add_int(p, "--tp", AT_LEAST_ONE, "Fix the tensor-parallel size.")
     add_int(p, "--pp", AT_LEAST_ONE, "Fix the pipeline-parallel size.")
@@ -125,6 +134,11 @@ def _complete(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("the plan needs the vocabulary size, which a tokenizer would only "
                           "tell at run time: pass --vocab-size V instead of the data and "
                           "tokenizer flags")
+    missing = [name for name in _MODEL if getattr(cfg.model, name) is None]
+    if missing:
+        raise ConfigError("the plan needs the model: pass --num-layers, --hidden-size, "
+                          "--num-attention-heads and --seq-length (missing: "
+                          f"{', '.join(field_specs()[name].flag for name in missing)})")
     if training.train_iters is None and training.train_samples is None:
         training = dataclasses.replace(training, train_iters=1)
     if optimizer.lr is None:

@@ -139,7 +139,7 @@ BAD = [
     (["--load", "CKPT", *IDS, "--top-k", "0"], "--top-k='0'"),
     (["--load", "CKPT", *IDS, "--top-k", "500"], "--top-k 500 exceeds the vocabulary"),
     (["--load", "CKPT", *IDS, "--temperature", "0"], "--temperature='0'): expected a finite "
-     "number > 0"),
+     "number >= 0.001"),
     (["--load", "CKPT", *IDS, "--temperature", "nan"], "--temperature='nan'"),
     (["--load", "CKPT", *IDS, "--seed", "3"], "--seed applies only to sampling"),
     (["--load", "CKPT", *IDS, "--top-k", "2", "--seed", "-3"], "--seed='-3'"),

@@ -5,8 +5,9 @@ embeddings and head, listed in ``model.safetensors.index.json`` (transformers' s
 format), so only one layer's tensors are in memory at once. Everything that can be refused
 is checked before anything is written: the packages, the checkpoint's contents (every tensor
 whole, ``contents.check_contents``), the architecture and the output path. The directory is
-written as ``OUTPUT.tmp``, verified there (transformers' logits against ours) and renamed
-only then, so a failure at any point leaves nothing behind.
+written under a fresh name of its own (``OUTPUT.<pid>.<random>.tmp``, created by this export, so
+no file of the user's is ever replaced or removed), verified there (transformers' logits
+against ours) and renamed only then, so a failure at any point leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.config import TrainConfig
 from megatron3d.convert.contents import Owned, check_contents, model_tensors
 from megatron3d.convert.hf import mapping, tensor_map
+from megatron3d.convert.staging import staging_path
 from megatron3d.convert.standalone import checkpoint_config, model_of, tokenizer_spec
 from megatron3d.convert.streaming import PeakMemory, logical_tensors
 from megatron3d.data.tokenizer import build_tokenizer
@@ -91,21 +93,24 @@ def plan_export(load: str, output: str, verify: bool = True,
 
 
 def export(plan: ExportPlan) -> ExportReport:
-    """Write ``plan``'s directory (and verify it there, when asked) as ``OUTPUT.tmp``, then
+    """Write ``plan``'s directory (and verify it there, when asked) under a staging name, then
     rename it; a failure removes what was written (and the directories made for it)."""
     out = plan.output
-    tmp = out.with_name(out.name + ".tmp")
     peak = PeakMemory()
+    tmp = None
     try:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
-        tmp.mkdir(parents=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staged = staging_path(out)
+        staged.mkdir()  # FileExistsError rather than a user's directory
+        tmp = staged
         sizes = _write(plan.reader, plan.cfg, plan.owned, tmp, plan.save_file)
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=1, sort_keys=True))
         logger.info("tokenizer: %s", export_tokenizer(plan.cfg, tmp))
         written = peak.growth
         agreement = (None if plan.transformers is None
                      else _checked(plan.reader, tmp, plan.transformers))
-        shutil.rmtree(out, ignore_errors=True)  # an empty directory, checked in the plan
+        if out.is_dir():
+            out.rmdir()  # empty, as the plan found it; fails if anything arrived since
         tmp.rename(out)
     except OSError as err:
         _remove(plan.created or tmp)
@@ -158,8 +163,11 @@ def _outermost_missing(path: Path) -> Path | None:
     return missing
 
 
-def _remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def _remove(path: Path | None) -> None:
+    """What this export created (its own staging directory, or the directories it made for
+    ``--output``), never a path of the same name that was there before."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def export_tokenizer(cfg: TrainConfig, directory: Path) -> str:
@@ -207,11 +215,20 @@ def _eod(cfg: TrainConfig) -> int | None:
 
 
 def _safetensors_writer() -> Callable[..., None]:
+    """safetensors' ``save_file``, raising OSError for its own error type (a full disk
+    surfaces as ``SafetensorError``), so a failed write is the export's one line."""
     try:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
     except ImportError:
         raise ConfigError(f"exporting needs the safetensors package: {_INSTALL}") from None
-    return save_file
+
+    def write(tensors: dict[str, torch.Tensor], path: str, **kwargs: Any) -> None:
+        try:
+            save_file(tensors, path, **kwargs)
+        except SafetensorError as err:
+            raise OSError(f"safetensors: {str(err).strip().splitlines()[0][:160]}") from None
+    return write
 
 
 def _transformers() -> ModuleType:

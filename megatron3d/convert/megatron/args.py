@@ -12,12 +12,15 @@ fields; an option megatron3d does not compute is refused by name.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron3d.config import ModelConfig, Range
 from megatron3d.errors import ConfigError
 
 _ENUM_MODULES = ("megatron.core.transformer.enums", "megatron.core.enums",
@@ -91,32 +94,66 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
     heads, hidden = _need(a, "num_attention_heads"), _need(a, "hidden_size")
     if a.get("kv_channels") not in (None, hidden // heads):
         _unsupported("kv_channels", a["kv_channels"], "hidden_size / num_attention_heads")
-    groups = a.get("num_query_groups") if a.get("group_query_attention") else None
+    groups = _optional(a, "num_query_groups") if a.get("group_query_attention") else None
     return {"num_layers": _need(a, "num_layers"), "hidden_size": hidden,
             "num_attention_heads": heads, "group_query_attention": groups is not None,
-            "num_query_groups": groups, "ffn_hidden_size": a.get("ffn_hidden_size"),
+            "num_query_groups": groups, "ffn_hidden_size": _optional(a, "ffn_hidden_size"),
             "seq_length": _need(a, "seq_length"),
-            "max_position_embeddings": a.get("max_position_embeddings"),
-            "vocab_size": _need(a, "padded_vocab_size"),
+            "max_position_embeddings": _optional(a, "max_position_embeddings"),
+            "vocab_size": _need(a, "padded_vocab_size", "vocab_size"),
             "position_embedding_type": _POSITIONS[a.get("position_embedding_type",
                                                         "learned_absolute")],
-            "rotary_base": float(a.get("rotary_base", 10000)),
+            "rotary_base": _number(a, "rotary_base", 10000.0),
             "normalization": _NORMS[a.get("normalization", "LayerNorm")],
-            "layernorm_epsilon": float(a.get("norm_epsilon", 1e-5)), "swiglu": swiglu,
+            "layernorm_epsilon": _number(a, "norm_epsilon", 1e-5, "layernorm_epsilon"),
+            "swiglu": swiglu,
             "disable_bias_linear": not a.get("add_bias_linear", True),
             "untie_embeddings_and_output_weights":
                 bool(a.get("untie_embeddings_and_output_weights")),
-            "init_method_std": float(a.get("init_method_std", 0.02)),
-            "hidden_dropout": float(a.get("hidden_dropout", 0.1)),
-            "attention_dropout": float(a.get("attention_dropout", 0.1))}
+            "init_method_std": _number(a, "init_method_std", 0.02),
+            "hidden_dropout": _number(a, "hidden_dropout", 0.1),
+            "attention_dropout": _number(a, "attention_dropout", 0.1)}
 
 
-def _need(a: dict[str, Any], key: str) -> int:
-    value = a.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"the checkpoint's Megatron-LM args have {key}={value!r}, expected a "
-                          "whole number >= 1: pass the model flags to import it")
+def _need(a: dict[str, Any], key: str, field: str | None = None) -> int:
+    """The whole number ``a[key]`` inside the range of the ModelConfig ``field`` it sets
+    (``key`` by default): a crafted ``num_layers: 10**9`` must not build a billion layers."""
+    value, bounds = a.get(key), _bounds(field or key)
+    if isinstance(value, bool) or not isinstance(value, int) or value not in bounds:
+        _out_of_range(key, value, f"a whole number {_words(bounds)}")
     return value
+
+
+def _optional(a: dict[str, Any], key: str) -> int | None:
+    return None if a.get(key) is None else _need(a, key)
+
+
+def _number(a: dict[str, Any], key: str, default: float, field: str | None = None) -> float:
+    """The finite number ``a[key]`` (``default`` when absent) inside its field's range."""
+    value, bounds = a.get(key, default), _bounds(field or key)
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not math.isfinite(value) or value not in bounds):
+        _out_of_range(key, value, f"a finite number {_words(bounds)}")
+    return float(value)
+
+
+def _bounds(field: str) -> Range:
+    return next(f.metadata["range"] for f in dataclasses.fields(ModelConfig) if f.name == field)
+
+
+def _words(bounds: Range) -> str:
+    return f"in {bounds}" if bounds.high is not None else str(bounds)
+
+
+def _out_of_range(key: str, value: Any, expected: str) -> None:
+    raise ConfigError(f"the checkpoint's Megatron-LM args have {key}={_shown(value)}, expected "
+                      f"{expected}: the file is damaged or crafted; pass the model flags "
+                      "(--num-layers, --hidden-size, ...) to import it")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _one_of(a: dict[str, Any], key: str, known: dict[str, str]) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
-import math
 import pathlib
 import pickle
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron3d.convert.megatron.coverage import coverage_problem
 from megatron3d.errors import CheckpointError
 
 _DCP_MODULES = {m.__name__: m for m in (metadata, planner, filesystem)}
@@ -65,7 +65,8 @@ class _SafeReader(filesystem.FileSystemReader):
             raise CheckpointError(f"{path} has no .metadata: it is not a torch.distributed."
                                   "checkpoint directory; pass a torch_dist checkpoint") from None
         except (pickle.UnpicklingError, OSError, EOFError, ValueError, TypeError,
-                AttributeError, IndexError, KeyError) as err:
+                AttributeError, IndexError, KeyError, OverflowError, MemoryError,
+                RecursionError) as err:  # the last three: a crafted length or nesting
             first = (str(err).strip() or type(err).__name__).splitlines()[0][:160]
             raise CheckpointError(f"{path / '.metadata'} cannot be read safely ({first}): it "
                                   "is damaged or crafted; save the checkpoint again") from None
@@ -112,6 +113,15 @@ class _SlicePlanner(planner.LoadPlanner):
         """The tensor was copied into ``out`` in place."""
 
 
+def _well_formed(name: object, md: TensorStorageMetadata) -> bool:
+    """A name, a shape of whole numbers >= 0, a dtype and a list of chunks (checked by
+    ``coverage_problem`` when the tensor is used)."""
+    size, dtype = md.size, getattr(md.properties, "dtype", None)
+    return (isinstance(name, str) and isinstance(size, tuple)
+            and all(type(n) is int and n >= 0 for n in size)
+            and isinstance(dtype, torch.dtype) and isinstance(md.chunks, list))
+
+
 class DcpCheckpoint:
     """The tensors of one DCP directory, by name; bytes entries (Megatron's extra state)
     are not tensors and are left out."""
@@ -119,19 +129,24 @@ class DcpCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._reader = _SafeReader(path)
-        items = self._reader.metadata.state_dict_metadata.items()
+        entries = getattr(self._reader.metadata, "state_dict_metadata", None)
         self.tensors: dict[str, TensorStorageMetadata] = {
-            name: md for name, md in items if isinstance(md, TensorStorageMetadata)}
+            name: md for name, md in (entries.items() if isinstance(entries, dict) else ())
+            if isinstance(md, TensorStorageMetadata)}
+        odd = next((str(n)[:80] for n, md in self.tensors.items() if not _well_formed(n, md)),
+                   None) if isinstance(entries, dict) else "its table of contents"
+        if odd is not None:
+            raise CheckpointError(f"{path / '.metadata'} describes {odd} in a form DCP never "
+                                  "writes: it is damaged or crafted; save the checkpoint again")
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         md = self.tensors.get(name)
         return None if md is None else tuple(md.size)
 
-    def covered(self, name: str) -> bool:
-        """The stored chunks of ``name`` add up to its whole global shape (the saving ranks
-        write disjoint chunks, so a lost file or chunk shows as a shortfall)."""
-        md = self.tensors[name]
-        return sum(math.prod(c.sizes) for c in md.chunks) == math.prod(md.size)
+    def coverage_problem(self, name: str) -> str | None:
+        """What is wrong with the stored chunks of ``name`` as an exact tiling of its global
+        shape (``coverage.py``), in words; None when every element is stored once."""
+        return coverage_problem(name, self.tensors[name].size, self.tensors[name].chunks)
 
     def read(self, name: str, offsets: Sequence[int] = (),
              shape: Sequence[int] | None = None) -> torch.Tensor:
@@ -148,4 +163,8 @@ class DcpCheckpoint:
             first = (str(cause).strip() or type(cause).__name__).splitlines()[0][:160]
             raise CheckpointError(f"{self.path} cannot give {name} ({first}): a .distcp file "
                                   "is missing or damaged; save the checkpoint again") from None
+        if not torch.isfinite(out).all():
+            raise CheckpointError(f"{self.path}: {name} holds a non-finite value (nan or inf): "
+                                  "the checkpoint is damaged or its run diverged; import an "
+                                  "earlier checkpoint")
         return out.to(torch.float32)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from megatron3d.checkpoint import io
 from megatron3d.cli import arguments
 from megatron3d.config import ModelConfig, ParallelConfig, TrainConfig, TrainingConfig
 from megatron3d.convert.contents import Layout, Owned, model_tensors, stage_params
@@ -63,8 +64,9 @@ def iteration_dir(load: Path) -> Path:
     except (OSError, UnicodeDecodeError):
         raise ConfigError(f"--load {load} has no readable {TRACKER} nor metadata.json: pass "
                           "a Megatron-LM checkpoint directory") from None
-    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() \
-        else None
+    iteration = io.parse_iteration(text)
+    name = "release" if text == "release" else None if iteration is None \
+        else f"iter_{iteration:07d}"
     if name is None or not (load / name).is_dir():
         raise ConfigError(f"{load / TRACKER} names {text[:40]!r}, which is not a checkpoint "
                           f"in {load}: the checkpoint is damaged; point --load at an iter_* "
@@ -115,10 +117,10 @@ def resolve(ckpt: DcpCheckpoint, model: ModelConfig) -> list[tuple[Owned, str, i
                                       f"model needs {list(want)}: the model (its flags, or the "
                                       "stored arguments) does not match the checkpoint; "
                                       "nothing was written")
-            if not ckpt.covered(source):
-                raise CheckpointError(f"{ckpt.path} holds only part of {source}: a .distcp "
-                                      "file lost chunks; save the checkpoint again; nothing "
-                                      "was written")
+            problem = ckpt.coverage_problem(source)
+            if problem is not None:
+                raise CheckpointError(f"{ckpt.path}: {problem}: its .metadata is damaged or "
+                                      "crafted; save the checkpoint again; nothing was written")
             plan.append((owned, source, layer))
             used.add(source)
             break
@@ -134,6 +136,21 @@ def resolve(ckpt: DcpCheckpoint, model: ModelConfig) -> list[tuple[Owned, str, i
                               "stored arguments) does not match the checkpoint, or it uses a "
                               "feature megatron3d lacks; nothing was written")
     return plan
+
+
+def check_layers(ckpt: DcpCheckpoint, model: ModelConfig) -> None:
+    """The model has as many layers as the checkpoint stores: the leading axis of stacked
+    layers, or the per-layer keys."""
+    stacked = {shape[0] for name in ckpt.tensors if (shape := ckpt.shape(name))
+               and name.startswith("decoder.layers.") and not name.split(".")[2].isdigit()}
+    indices = {name.split(".")[2] for name in ckpt.tensors
+               if name.startswith("decoder.layers.") and name.split(".")[2].isdigit()}
+    stored = stacked | ({len(indices)} if indices else set())
+    if stored and stored != {model.num_layers}:
+        raise CheckpointError(f"{ckpt.path} stores {sorted(stored)[0]} transformer layers but "
+                              f"the model has {model.num_layers}: the model (its flags, or the "
+                              "stored arguments) does not match the checkpoint; nothing was "
+                              "written")
 
 
 def _read(ckpt: DcpCheckpoint, plan: list[tuple[Owned, str, int | None]],
@@ -152,8 +169,9 @@ def import_megatron(model: ModelConfig, directory: Path, save: str, tp: int,
                     pp: int) -> tuple[Path, int]:
     """The checkpoint written and the most tensor bytes it held at once (one layer's).
     The layout, the output and every stored tensor's presence and shape are checked first."""
-    stage_params(model, Layout(tp, pp, 1, 0), ParallelConfig().pp_partition_method)  # checks
     ckpt = DcpCheckpoint(directory)
+    check_layers(ckpt, model)  # before the model's layers are built: their count is bounded
+    stage_params(model, Layout(tp, pp, 1, 0), ParallelConfig().pp_partition_method)  # checks
     plan = resolve(ckpt, model)
     cfg = TrainConfig(model=model, training=TrainingConfig(),
                       parallel=ParallelConfig(tensor_model_parallel_size=tp,
