@@ -189,6 +189,41 @@ def test_model_flags_replace_the_stored_arguments(tmp_path, capsys):
     assert all(torch.equal(reader.tensor(n), t) for n, t in ours.items())
 
 
+def _llama3_qkv_bias() -> dict[str, torch.Tensor]:
+    """Our logical tensors of a Llama-style model (RMSNorm, SwiGLU, 2 query groups, no
+    biases but on QKV, as Qwen2), drawn from seed 0."""
+    torch.manual_seed(0)
+    head = HIDDEN // 4
+    shapes = {"embedding.word_embeddings.weight": (VOCAB, HIDDEN), "final_norm.weight": (HIDDEN,)}
+    per_layer = {"input_norm.weight": (HIDDEN,), "attention.qkv.weight": (8 * head, HIDDEN),
+                 "attention.qkv.bias": (8 * head,), "attention.dense.weight": (HIDDEN, HIDDEN),
+                 "post_attention_norm.weight": (HIDDEN,), "mlp.fc1.weight": (128, HIDDEN),
+                 "mlp.fc2.weight": (HIDDEN, 64)}
+    shapes |= {f"layers.{i}.{k}": v for i in range(LAYERS) for k, v in per_layer.items()}
+    return {name: torch.randn(shape) for name, shape in shapes.items()}
+
+
+def test_rope_scaling_and_a_qkv_bias_import_as_megatron_computed_them(tmp_path, capsys):
+    """Megatron-LM's --use-rope-scaling (Llama 3.x: factor given, the others fixed at 1, 4
+    and 8192, our defaults) and --add-qkv-bias without other biases (Qwen2) were refused."""
+    ours = _llama3_qkv_bias()
+    args = _args(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                 openai_gelu=False, add_bias_linear=False, add_qkv_bias=True,
+                 group_query_attention=True, num_query_groups=2, ffn_hidden_size=64,
+                 use_rope_scaling=True, rope_scaling_factor=32.0)
+    _write(tmp_path / "mcore", _theirs(ours, True, FUSED_NORMS), {"args": args})
+    code, _, err = _import(tmp_path, capsys)
+    assert code == 0, err
+    reader = CheckpointReader.latest(tmp_path / "ckpt")
+    assert sorted(reader.names()) == sorted(ours)
+    assert all(torch.equal(reader.tensor(n), t) for n, t in ours.items())
+    model = ModelConfig(**reader.meta["config"]["model"])
+    assert (model.use_rope_scaling, model.rope_scaling_factor, model.add_qkv_bias,
+            model.disable_bias_linear) == (True, 32.0, True, True)
+    assert (model.rope_scaling_low_freq_factor, model.rope_scaling_high_freq_factor,
+            model.rope_scaling_original_max_position_embeddings) == (1.0, 4.0, 8192)
+
+
 class _RunsCode:
     """Unpickling this would create ``path``: what a malicious pickle does, harmlessly."""
 

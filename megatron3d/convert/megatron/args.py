@@ -32,7 +32,7 @@ _OFF = {"apply_layernorm_1p": "a plain norm weight (no 1 + weight)", "qk_layerno
         "norm on queries and keys", "squared_relu": "GeLU or SwiGLU", "num_experts": "a dense "
         "MLP (no mixture of experts)", "multi_latent_attention": "multi-head attention",
         "apply_residual_connection_post_layernorm": "pre-norm residuals",
-        "rotary_interleaved": "rotate-half RoPE", "use_rope_scaling": "unscaled RoPE",
+        "rotary_interleaved": "rotate-half RoPE",
         "heterogeneous_layers_config_path": "identical layers", "qk_l2_norm": "no norm on "
         "queries and keys", "window_size": "full causal attention (no sliding window)",
         "mtp_num_layers": "next-token prediction only (no multi-token prediction layers)",
@@ -77,8 +77,6 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
     for key, want in _OFF.items():
         if a.get(key):
             _unsupported(key, a[key], want)
-    if a.get("add_qkv_bias") and not a.get("add_bias_linear", True):
-        _unsupported("add_qkv_bias", True, "biases on every linear layer or on none")
     _one_of(a, "position_embedding_type", _POSITIONS)
     _one_of(a, "normalization", _NORMS)
     if a.get("rotary_seq_len_interpolation_factor") not in (None, 1):
@@ -104,6 +102,10 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
             "position_embedding_type": _POSITIONS[a.get("position_embedding_type",
                                                         "learned_absolute")],
             "rotary_base": _number(a, "rotary_base", 10000.0),
+            # Llama 3.x scaling: Megatron fixes the other factors at our defaults (1, 4, 8192)
+            "use_rope_scaling": bool(a.get("use_rope_scaling")),
+            "rope_scaling_factor": _number(a, "rope_scaling_factor", 8.0),
+            "add_qkv_bias": bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", True),
             "normalization": _NORMS[a.get("normalization", "LayerNorm")],
             "layernorm_epsilon": _number(a, "norm_epsilon", 1e-5, "layernorm_epsilon"),
             "swiglu": swiglu,
