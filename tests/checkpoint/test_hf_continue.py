@@ -5,7 +5,8 @@ from transformers' own loss on the same tokens. Each model family comes with a t
 family: GPT-2 with GPT-2 BPE files, Llama with SentencePiece, BLOOM with a Hugging Face
 ``tokenizer.json`` (and so do today's families: Llama 3.x with its RoPE scaling, Mistral,
 Qwen2 with its QKV bias); the command line names the tokenizer and no model flag or dropout
-(the checkpoint's, from the Hugging Face config, are used). One launch runs all six."""
+(the checkpoint's, from the Hugging Face config, are used). One launch runs all six; the
+trained checkpoints then export back to transformers with their tokenizers."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 from megatron3d.checkpoint.loading import check_model_matches, with_checkpoint_args
 from megatron3d.cli.arguments import parse_given
 from megatron3d.config import TrainConfig
+from megatron3d.convert.standalone import load_model
 from megatron3d.data.prep.tokenizer_training import train_sentencepiece
 from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
 from megatron3d.errors import CheckpointError
@@ -34,6 +36,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("sentencepiece")
 import_hf, preprocess = load_tool("checkpoint/import_hf.py"), load_tool("preprocess_data.py")
+export_hf = load_tool("checkpoint/export_hf.py")
 
 SEQ, GBS = 16, 8
 INIT_RANGE = 0.5  # far from a flat guess: a misplaced tensor would change the loss
@@ -126,7 +129,8 @@ def test_imported_models_continue_from_transformers_loss_on_real_data(tmp_path):
             "--micro-batch-size", "2", "--global-batch-size", str(GBS), "--train-iters", "1",
             "--lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "0",
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-            "--data-cache-path", str(tmp_path / "index-cache")]
+            "--data-cache-path", str(tmp_path / "index-cache"),
+            "--save", str(tmp_path / f"trained-{flavour}")]
     last_stage = run_distributed(_first_steps, 4, runs, timeout_s=300)[-1]
     for flavour, model in models.items():
         loss, micro_batches = last_stage[flavour]
@@ -140,6 +144,28 @@ def test_imported_models_continue_from_transformers_loss_on_real_data(tmp_path):
         expected = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1)).item()
         assert expected > math.log(vocab) + 2, (flavour, expected)  # far from a flat guess
         assert loss == pytest.approx(expected, rel=1e-4), flavour
+    _export_after_training(tmp_path)
+
+
+def _export_after_training(tmp_path: Path) -> None:
+    """The end of the path: each tokenizer family's trained checkpoint exports to a model
+    transformers loads (export_hf checks its logits against ours), with the tokenizer it was
+    trained with where transformers has one that reads it as we do (GPT-2 BPE files, a
+    tokenizer.json; a SentencePiece model is not: transformers' LlamaTokenizer splits
+    leading whitespace otherwise)."""
+    for flavour, files in (("gpt2", ["merges.txt", "vocab.json"]), ("bloom", ["tokenizer.json"]),
+                           ("llama", [])):
+        out = tmp_path / f"exported-{flavour}"
+        with tool_logging():
+            assert export_hf.main(["--load", str(tmp_path / f"trained-{flavour}"),
+                                   "--output", str(out)]) == 0
+        assert all((out / f).is_file() for f in files) and (files or not (
+            out / "tokenizer.model").exists()), flavour
+        if files:
+            theirs = transformers.AutoTokenizer.from_pretrained(out)
+            ours = build_tokenizer(load_model(str(tmp_path / f"trained-{flavour}")).tokenizer)
+            text = synthetic_text(2, 99)
+            assert theirs.encode(text, add_special_tokens=False) == ours.tokenize(text)
 
 
 @pytest.fixture(scope="module")
