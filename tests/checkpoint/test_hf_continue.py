@@ -29,6 +29,7 @@ from megatron3d.errors import CheckpointError
 from megatron3d.validation import validate
 from tests.data.test_tokenizer import synthetic_text, tiny_gpt2_files
 from tests.helpers.dist import run_distributed
+from tests.helpers.hf_models import saved_hf_model
 from tests.helpers.runs import build
 from tests.helpers.tools import load_tool, tool_logging
 
@@ -79,17 +80,7 @@ def _tokenizer(flavour: str, directory: Path) -> tuple[int, list[str]]:
 
 
 def _hf_model(flavour: str, directory: Path, vocab: int):
-    config = dict(CONFIGS[flavour])
-    kind = config.pop("model_type")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.CONFIG_MAPPING[kind](
-        vocab_size=vocab, initializer_range=INIT_RANGE, **config)).eval()
-    with torch.no_grad():  # transformers starts biases at zero: a misplaced one would not show
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, INIT_RANGE)
-    model.save_pretrained(directory)
-    return model
+    return saved_hf_model(CONFIGS[flavour], directory, vocab, INIT_RANGE)
 
 
 def _first_steps(runs: dict[str, list[str]]) -> dict[str, tuple[float, list]]:

@@ -15,6 +15,7 @@ import torch
 from megatron3d.checkpoint.reader import CheckpointReader
 from tests.checkpoint.conftest import PEAK_LINE
 from tests.checkpoint.test_bad_checkpoints import _tree
+from tests.helpers.hf_models import saved_hf_model
 from tests.helpers.tools import load_tool
 
 transformers = pytest.importorskip("transformers")
@@ -51,17 +52,7 @@ EXPORTED = {"gpt2": ("GPT2LMHeadModel", ()), "bloom": ("BloomForCausalLM", ()),
 
 
 def _hf_model(flavour: str, directory: Path):
-    config = dict(CONFIGS[flavour])
-    kind = config.pop("model_type")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.CONFIG_MAPPING[kind](
-        vocab_size=VOCAB, initializer_range=INIT_RANGE, **config)).eval()
-    with torch.no_grad():  # transformers starts biases at zero: a misplaced one would not show
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, INIT_RANGE)
-    model.save_pretrained(directory)
-    return model
+    return saved_hf_model(CONFIGS[flavour], directory, VOCAB, INIT_RANGE)
 
 
 @pytest.mark.parametrize("flavour", CONFIGS)
