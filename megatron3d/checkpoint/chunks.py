@@ -76,18 +76,32 @@ def assemble(name: str, kind: str, chunks: list[dict]) -> torch.Tensor:
     first = chunks[0]
     slices = [torch.empty(first["local_shape"], dtype=torch.float32)
               for _ in range(first["tp_size"])]
-    covered = [0] * first["tp_size"]
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(first["tp_size"])]
     for c in chunks:
         slices[c["tp_rank"]].view(-1)[c["start"]:c["end"]] = c["data"]
-        covered[c["tp_rank"]] += c["end"] - c["start"]
+        ranges[c["tp_rank"]].append((c["start"], c["end"]))
     numel = slices[0].numel()
-    if any(n != numel for n in covered):
-        raise CheckpointError(f"checkpoint is incomplete: {name} ({kind}) has "
-                              f"{covered} of {numel} elements per TP rank; a shard file is "
-                              "missing or truncated, load an earlier checkpoint")
+    for tp_rank, found in enumerate(ranges):
+        gap = _untiled(sorted(found), numel)
+        if gap is not None:
+            raise CheckpointError(f"checkpoint is incomplete: {name} ({kind}) of TP rank "
+                                  f"{tp_rank} {gap}; a shard file is missing, truncated or "
+                                  "damaged, load an earlier checkpoint")
     full = slices[0] if first["split_dim"] is None else tp_unshard(
         slices, first["split_dim"], first["stride"])
     return full if first["logical_rows"] is None else full[: first["logical_rows"]]
+
+
+def _untiled(ranges: list[tuple[int, int]], numel: int) -> str | None:
+    """What keeps sorted element ranges from covering [0, numel) exactly once (sizes that add
+    up are not enough: two chunks of one region would leave another unwritten), or None."""
+    at = 0
+    for start, end in ranges:
+        if start != at:
+            return (f"has no element {at}" if start > at else
+                    f"holds elements {start}-{min(at, end) - 1} twice")
+        at = end
+    return None if at == numel else f"has {at} of {numel} elements"
 
 
 def tp_slice(logical: torch.Tensor, meta: ParamMeta, tp_rank: int, tp_size: int,
