@@ -34,7 +34,7 @@ from megatron3d.checkpoint.reader import CheckpointReader
 from megatron3d.config import ModelConfig, TrainingConfig
 from megatron3d.config.ranges import BATCH
 from megatron3d.convert.contents import Layout, Owned, check_contents, saved_kinds, stage_params
-from megatron3d.convert.standalone import saved_config
+from megatron3d.convert.standalone import carried_files, saved_config
 from megatron3d.convert.streaming import logical_tensors
 from megatron3d.errors import ConfigError
 from megatron3d.mpu.meta import ParamMeta
@@ -67,7 +67,8 @@ def reshape(load: str, save: str, tp: int, pp: int, dp: int = 1, zero_stage: int
               for stage in stages]
     check_contents(reader, [pair for pairs in wanted for pair in pairs])
     meta = _target_meta(reader.meta, target, method)
-    final = _write(root, meta, _rank_files(reader, cfg.model, wanted, target))
+    final = _write(root, meta, _rank_files(reader, cfg.model, wanted, target),
+                   carried_files(reader))
     sizes = [sum(4 * math.prod(p.shape) for p, _ in pairs) for pairs in wanted]
     return ReshapeReport(final, target, sum(map(len, wanted)), max(sizes))
 
@@ -144,11 +145,11 @@ def _pieces(logical: torch.Tensor, meta: ParamMeta, kind: str, target: Layout,
                                                   flat[start:end].clone())
 
 
-def _write(root: Path, meta: dict[str, Any],
-           files: Iterator[tuple[int, dict[str, Any]]]) -> Path:
-    """``root/iter_N``: the rank files as they come, ``meta.json``, the chunk index, then
-    ``latest``. A failure part-way leaves nothing behind (``root`` itself, when this made
-    it)."""
+def _write(root: Path, meta: dict[str, Any], files: Iterator[tuple[int, dict[str, Any]]],
+           carried: dict[str, Path]) -> Path:
+    """``root/iter_N``: the rank files as they come, copies of ``carried`` (name inside it
+    -> source), ``meta.json``, the chunk index, then ``latest``. A failure part-way leaves
+    nothing behind (``root`` itself, when this made it)."""
     final = io.iteration_dir(root, meta["iteration"])
     tmp = final.with_name(final.name + ".tmp")
     created = not root.exists()
@@ -158,6 +159,9 @@ def _write(root: Path, meta: dict[str, Any],
             tmp.mkdir()
             for rank, payload in files:
                 io.write_rank(tmp, rank, payload)
+            for name, source in carried.items():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, tmp / name)
             io.write_meta(tmp, meta)
             chunk_index.write_index(tmp, meta)
             io.publish(root, meta["iteration"])

@@ -70,6 +70,25 @@ def checkpoint_config(reader: CheckpointReader) -> TrainConfig:
 _TOKENIZER_PATHS = ("tokenizer_model", "vocab_file", "merge_file", "tokenizer_name_or_path")
 
 
+def carried_files(reader: CheckpointReader) -> dict[str, Path]:
+    """The tokenizer files inside the checkpoint ``reader`` has open (what import_hf copied
+    there), by their name in it: a tool that rewrites the checkpoint copies them along, or
+    the new one would name files it does not have."""
+    cfg, found = saved_config(reader.meta), {}
+    for field in _TOKENIZER_PATHS:
+        name = getattr(cfg.data, field)
+        if name is None or Path(name).is_absolute():
+            continue
+        path = reader.directory / name
+        if ".." in Path(name).parts:  # a crafted meta.json must not name files elsewhere
+            continue
+        if path.is_file():
+            found[name] = path
+        elif path.is_dir():
+            found.update((f"{name}/{f.name}", f) for f in path.iterdir() if f.is_file())
+    return found
+
+
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LoadedModel:
     """The newest checkpoint under ``checkpoint_dir`` (a --save directory) as one model."""

@@ -18,6 +18,7 @@ from tests.helpers.tools import load_tool, tool_logging
 
 transformers = pytest.importorskip("transformers")
 import_hf, export_hf = load_tool("checkpoint/import_hf.py"), load_tool("checkpoint/export_hf.py")
+reshape = load_tool("checkpoint/reshape.py")
 
 
 def _import_and_move(tmp_path, flavour: str) -> tuple[int, str]:
@@ -68,3 +69,19 @@ def test_a_tokenizer_unlike_the_model_is_a_notice(tmp_path, capsys):
     assert ("notice: the tokenizer beside the model (tokenizer.model) has 320 tokens but "
             "config.json's vocab_size is 300: training needs a tokenizer of 300") \
         in capsys.readouterr().out
+
+
+def test_a_reshaped_import_keeps_its_tokenizer(tmp_path):
+    """reshape.py rewrites the checkpoint: the tokenizer files the import copied into it come
+    along, so the source can go and the reshaped one still exports them."""
+    _, moved = _import_and_move(tmp_path, "gpt2")
+    with tool_logging():
+        assert reshape.main(["--load", moved, "--save", str(tmp_path / "tp2"),
+                             "--tensor-model-parallel-size", "2",
+                             "--pipeline-model-parallel-size", "1"]) == 0
+    shutil.rmtree(moved)
+    with tool_logging():
+        assert export_hf.main(["--load", str(tmp_path / "tp2"), "--output",
+                               str(tmp_path / "back"), "--no-verify"]) == 0
+    assert (tmp_path / "back" / "vocab.json").is_file()
+    assert (tmp_path / "back" / "merges.txt").is_file()
