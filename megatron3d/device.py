@@ -12,6 +12,7 @@ import datetime
 import os
 import resource
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,44 @@ def stream_marker(dev: torch.device) -> Callable[[], Callable[[], bool]] | None:
         return event.query
 
     return mark
+
+
+class ComputeSpans:
+    """Seconds spent between ``begin`` and ``end`` marks, summed until ``take``, measured
+    without waiting: on CUDA by timing events recorded on the current stream (recording
+    never blocks; their times are read in ``take``, which must come after a synchronize,
+    such as the log line's), on CPU by the host clock, where a call that returned is done."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self._cuda = dev.type == "cuda"
+        self._open: torch.cuda.Event | float | None = None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._host_s = 0.0
+        self._count = 0
+
+    def begin(self) -> None:
+        self._open = self._mark()
+
+    def end(self) -> None:
+        if self._cuda:
+            self._events.append((self._open, self._mark()))
+        else:
+            self._host_s += time.perf_counter() - self._open
+        self._count += 1
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, spans) since the last ``take``; on CUDA only once the device is synced."""
+        seconds = self._host_s + sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+        taken = (seconds, self._count)
+        self._events, self._host_s, self._count = [], 0.0, 0
+        return taken
+
+    def _mark(self) -> torch.cuda.Event | float:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 def backend_trace_writer(dump_dir: Path, rank: int) -> Callable[[], Path] | None:
