@@ -165,17 +165,16 @@ def stream_marker(dev: torch.device) -> Callable[[], Callable[[], bool]] | None:
 
 
 class ComputeSpans:
-    """Seconds spent between ``begin`` and ``end`` marks, summed until ``take``, measured
-    without waiting: on CUDA by timing events recorded on the current stream (recording
-    never blocks; their times are read in ``take``, which must come after a synchronize,
-    such as the log line's), on CPU by the host clock, where a call that returned is done."""
+    """The seconds of each span between ``begin`` and ``end``, kept until ``take``, measured
+    without waiting: on CUDA by timing events on the current stream (read in ``take``, which
+    must follow a synchronize, such as the log line's); on CPU, where the processor is the
+    device, by the calling thread's CPU time (why not the wall clock: training/straggler.py)."""
 
     def __init__(self, dev: torch.device) -> None:
         self._cuda = dev.type == "cuda"
         self._open: torch.cuda.Event | float | None = None
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._host_s = 0.0
-        self._count = 0
+        self._host: list[float] = []
 
     def begin(self) -> None:
         self._open = self._mark()
@@ -184,19 +183,18 @@ class ComputeSpans:
         if self._cuda:
             self._events.append((self._open, self._mark()))
         else:
-            self._host_s += time.perf_counter() - self._open
-        self._count += 1
+            self._host.append(time.thread_time() - self._open)
 
-    def take(self) -> tuple[float, int]:
-        """(seconds, spans) since the last ``take``; on CUDA only once the device is synced."""
-        seconds = self._host_s + sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
-        taken = (seconds, self._count)
-        self._events, self._host_s, self._count = [], 0.0, 0
+    def take(self) -> list[float]:
+        """Each span's seconds since the last ``take``; on CUDA only once the device is
+        synced."""
+        taken = self._host + [a.elapsed_time(b) / 1000.0 for a, b in self._events]
+        self._events, self._host = [], []
         return taken
 
     def _mark(self) -> torch.cuda.Event | float:
         if not self._cuda:
-            return time.perf_counter()
+            return time.thread_time()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event

@@ -2,22 +2,27 @@
 
 Why: synchronous training waits for its slowest rank at every collective, so one slow device or
 host slows the whole job while every rank's step time looks the same. Each rank therefore
-times its own compute: the pipeline engine's forward and backward passes of each step
-(``device.ComputeSpans``: CUDA events, read at the log line where the device is synced
-already, or the host clock on CPU; no extra sync). That leaves out the gradient reductions and
-the optimizer's collectives waited for after the passes; it still includes what the passes
-themselves wait on (pipeline receives, ZeRO-3 parameter gathers), which is why a rank is
-compared only with its peers, the other ranks of its pipeline stage: they run the same layers
-and wait alike. A rank without peers (one rank per stage) is compared with nobody.
+times its own compute, the pipeline engine's forward and backward passes of each step
+(``device.ComputeSpans``), without a sync: on CUDA with events, read at the log line where the
+device is synced already; on CPU by the training thread's CPU time. Not the wall clock, which
+counts the time blocked in collectives and, on CPU, the time other processes held the cores
+(4 ranks on 2 shared cores: healthy ranks' 5-step windows spread by up to 110% in wall time,
+20% in thread time); not the process's CPU time, which counts gloo's background threads
+(torch's intra-op threads are left out too, alike on every rank). The span leaves out the
+gradient reductions and the optimizer's collectives waited for after the passes; it includes
+what the passes themselves wait on (pipeline receives, ZeRO-3 parameter gathers), which is why
+a rank is compared only with its peers, the other ranks of its pipeline stage: they run the
+same layers and wait alike. A rank without peers (one rank per stage) is compared with nobody.
 
 At the first log line at least ``--straggler-interval`` iterations after the previous
-comparison, every rank all-gathers its mean compute time per step over the window (one number
-each: the same single collective, at the same iteration, on every rank) and the same rule runs
-on every rank: a rank slower than the median of its peers by more than
-``--straggler-threshold`` in ``PERSISTENCE`` comparisons in a row is named, at each comparison
-while it stays slow. One noisy window (a page-cache miss, a background checkpoint write) never
-names anyone. The named rank logs the warning itself (its node name is its own to know); the
-logging rank writes every rank's slowdown to TensorBoard.
+comparison, every rank all-gathers its median compute time per step over the window (one
+number each: the same single collective, at the same iteration, on every rank); the median,
+not the mean, so that one step held up (a garbage collection, a page fault) is not a slow
+window. The same rule then runs on every rank: a rank slower than the median of its peers by
+more than ``--straggler-threshold`` in ``PERSISTENCE`` comparisons in a row is named, at each
+comparison while it stays slow; one noisy window never names anyone. The named rank logs the
+warning itself (its node name is its own to know); the logging rank writes every rank's
+slowdown to TensorBoard.
 """
 
 from __future__ import annotations
@@ -98,8 +103,9 @@ class StragglerWatch:
         """Compare the ranks if a window is complete; the device has just been synced."""
         if self.spans is None or at.iteration - self._since < self.interval:
             return
-        seconds, steps = self.spans.take()
-        mine = torch.tensor([seconds / max(steps, 1)], dtype=torch.float32, device=self.device)
+        steps = self.spans.take()
+        typical = statistics.median(steps) if steps else 0.0
+        mine = torch.tensor([typical], dtype=torch.float32, device=self.device)
         times = comm.all_gather(mine, self.world, 0).tolist()
         slower = slowdowns(times, self.peers)
         self.writer.write({f"straggler slowdown rank {rank}": by
@@ -114,7 +120,7 @@ class StragglerWatch:
         peers = [times[p] for p in self.peers[me]]
         logger.warning(
             "straggler: rank %d on node %s computes its steps %.0f%% slower than the median of "
-            "its %d peers (%.1f ms vs %.1f ms per step, iterations %d-%d), above "
+            "its %d peers (median %.1f ms vs %.1f ms per step, iterations %d-%d), above "
             "--straggler-threshold %g in %d comparisons in a row", me, socket.gethostname(),
             100 * slower[me], len(peers), 1000 * times[me], 1000 * statistics.median(peers),
             self._since + 1, iteration, self._rule.threshold, self._rule.persistence)

@@ -1,6 +1,6 @@
 """Straggler naming (training/straggler.py): the rule on synthetic timings (noise, a
-persistent straggler, a transient blip), and one 4-rank run where one rank sleeps 150 ms in
-each step's compute and is named within 20 steps, and nobody else is."""
+persistent straggler, a transient blip), and one 4-rank run where one rank spends 150 ms more
+in each step's compute and is named within 20 steps, and nobody else is."""
 
 from __future__ import annotations
 
@@ -61,14 +61,16 @@ def test_stages_are_compared_apart():
 
 
 class _SlowCompute:
-    """A program observer that sleeps at the start of each step's passes (the injected fault;
-    inside the compute the watch times, outside every core object)."""
+    """A program observer that computes (spins) for ``seconds`` at the start of each step's
+    passes: the injected fault, inside the compute the watch times, outside core objects."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
     def begin(self, program) -> None:
-        time.sleep(self.seconds)
+        start = time.thread_time()  # busy: the CPU is the device, and it is slow
+        while time.thread_time() - start < self.seconds:
+            pass
 
     def after(self, instruction) -> None:
         pass
@@ -111,8 +113,9 @@ def _train_with_slow_rank(slow_rank: int, iters: int) -> list[tuple[int, str]]:
 
 
 def test_a_rank_slowed_by_150_ms_per_step_is_named_within_20_steps():
-    """Mutation: timing the whole step (reductions included) instead of the passes makes every
-    rank wait for the slow one, and nobody is named."""
+    """The slow rank burns 150 ms of CPU (the device here) per step. Mutation: the wall clock
+    around the whole step counts the others' waits for the slow rank in the reductions, so
+    every rank is as slow as it and nobody is named."""
     named = run_distributed(_train_with_slow_rank, 4, 3, 20)
     assert named[:3] == [[], [], []]
     assert named[3], "the slow rank was not named"
