@@ -8,6 +8,8 @@ import logging
 import random
 import time
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 from megatron3d.training.build import Overrides
 from megatron3d.training.straggler import PERSISTENCE, StragglerRule, slowdowns, stage_peers
 from tests.helpers.dist import run_distributed
@@ -91,7 +93,7 @@ class _Warnings(logging.Handler):
         self.named.append((self.iteration + 1, record.getMessage()))  # before its on_step
 
 
-def _train_with_slow_rank(slow_rank: int, iters: int) -> list[tuple[int, str]]:
+def _train_with_slow_rank(slow_rank: int, iters: int, board: str) -> list[tuple[int, str]]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -103,7 +105,8 @@ def _train_with_slow_rank(slow_rank: int, iters: int) -> list[tuple[int, str]]:
     def count(iteration: int, _result) -> None:
         warnings.iteration = iteration
 
-    trainer, _ = build(train_argv("gpt2", iters, "--straggler-interval", "5"),
+    trainer, _ = build(train_argv("gpt2", iters, "--straggler-interval", "5",
+                                  "--tensorboard-dir", board),
                        Overrides(observers=observers), on_step=count)
     try:
         trainer.run()
@@ -112,13 +115,19 @@ def _train_with_slow_rank(slow_rank: int, iters: int) -> list[tuple[int, str]]:
     return warnings.named
 
 
-def test_a_rank_slowed_by_150_ms_per_step_is_named_within_20_steps():
+def test_a_rank_slowed_by_150_ms_per_step_is_named_within_20_steps(tmp_path):
     """The slow rank burns 150 ms of CPU (the device here) per step. Mutation: the wall clock
     around the whole step counts the others' waits for the slow rank in the reductions, so
     every rank is as slow as it and nobody is named."""
-    named = run_distributed(_train_with_slow_rank, 4, 3, 20)
+    named = run_distributed(_train_with_slow_rank, 4, 3, 20, str(tmp_path))
     assert named[:3] == [[], [], []]
     assert named[3], "the slow rank was not named"
     first, message = named[3][0]
     assert first <= 20
     assert message.startswith("straggler: rank 3 on node ")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    slowdowns = {rank: [e.value for e in events.Scalars(f"straggler slowdown rank {rank}")]
+                 for rank in range(4)}  # each comparison's, written by the logging rank
+    assert [len(series) for series in slowdowns.values()] == [4] * 4
+    assert min(slowdowns[3]) > THRESHOLD
