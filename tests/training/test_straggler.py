@@ -8,8 +8,10 @@ import logging
 import random
 import time
 
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron3d.device import ComputeSpans
 from megatron3d.training.build import Overrides
 from megatron3d.training.straggler import PERSISTENCE, StragglerRule, slowdowns, stage_peers
 from tests.helpers.dist import run_distributed
@@ -60,6 +62,21 @@ def test_stages_are_compared_apart():
     """The last stage computes the loss head and is slower than the first: not a straggler."""
     windows = [[0.1, 0.1, 0.2, 0.2] for _ in range(10)]
     assert not any(_named_per_window(windows, stage_peers(4, 2)))
+
+
+def test_cpu_compute_time_counts_work_not_waiting():
+    """On CPU a span is the thread's CPU time: blocked (as in a collective) it does not grow.
+    Mutation: the wall clock counts the sleep."""
+    spans = ComputeSpans(torch.device("cpu"))
+    spans.begin()
+    time.sleep(0.05)
+    spans.end()
+    spans.begin()
+    _SlowCompute(0.02).begin([])
+    spans.end()
+    waited, worked = spans.take()
+    assert waited < 0.01 <= 0.02 <= worked
+    assert spans.take() == []
 
 
 class _SlowCompute:
