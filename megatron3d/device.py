@@ -12,6 +12,7 @@ import datetime
 import os
 import resource
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,42 @@ def stream_marker(dev: torch.device) -> Callable[[], Callable[[], bool]] | None:
         return event.query
 
     return mark
+
+
+class ComputeSpans:
+    """The seconds of each span between ``begin`` and ``end``, kept until ``take``, measured
+    without waiting: on CUDA by timing events on the current stream (read in ``take``, which
+    must follow a synchronize, such as the log line's); on CPU, where the processor is the
+    device, by the calling thread's CPU time (why not the wall clock: training/straggler.py)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self._cuda = dev.type == "cuda"
+        self._open: torch.cuda.Event | float | None = None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._host: list[float] = []
+
+    def begin(self) -> None:
+        self._open = self._mark()
+
+    def end(self) -> None:
+        if self._cuda:
+            self._events.append((self._open, self._mark()))
+        else:
+            self._host.append(time.thread_time() - self._open)
+
+    def take(self) -> list[float]:
+        """Each span's seconds since the last ``take``; on CUDA only once the device is
+        synced."""
+        taken = self._host + [a.elapsed_time(b) / 1000.0 for a, b in self._events]
+        self._events, self._host = [], []
+        return taken
+
+    def _mark(self) -> torch.cuda.Event | float:
+        if not self._cuda:
+            return time.thread_time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 def backend_trace_writer(dump_dir: Path, rank: int) -> Callable[[], Path] | None:

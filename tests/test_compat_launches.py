@@ -44,6 +44,7 @@ CURRENT_MEGATRON_LM = {
     "--tiktoken-pattern v2": "notice",
     "--log-memory-interval 1000": "notice",
     "--log-progress": "notice",
+    "--log-straggler": "alias",
     "--log-energy": "notice",
     "--logging-level 20": "notice",
     "--timing-log-option minmax": "notice",

@@ -177,7 +177,9 @@ TABLE: tuple[CompatFlag, ...] = (
     *_notice("--log-memory-interval --logging-level --timing-log-option --straggler-minmax-count",
              "the log line is megatron3d's; --memory-report prints the memory after the first "
              "step", nargs=1),
-    *_notice("--log-progress --log-energy --log-straggler --disable-straggler-on-startup",
+    _alias("--log-straggler", "--straggler-interval 100", "the ranks' compute times are "
+           "compared every 100 steps and a persistently slow rank is named; on by default"),
+    *_notice("--log-progress --log-energy --disable-straggler-on-startup",
              "the log line is megatron3d's; --memory-report prints the memory after the first "
              "step"),
     *_notice("--disable-gloo-process-groups", "megatron3d makes gloo groups only where the "

@@ -164,6 +164,14 @@ class ResilienceConfig:
         False, "Stop with an error when the global gradient norm is NaN or Inf (bf16, fp32; "
         "in fp16 that is an overflow for the loss scaler); by default such a step is skipped "
         "on every rank and counted in 'number of nan iterations'.")
+    straggler_interval: int = option(
+        100, "Compare the ranks' compute time per step every this many iterations (at the "
+        "first log line from then on); a rank slower than --straggler-threshold in 3 "
+        "comparisons in a row is named in a warning and TensorBoard; 0 turns it off.",
+        range=Range(0, 2**32))
+    straggler_threshold: float = option(
+        0.2, "How much slower than the median of its peers (the ranks of its pipeline stage) "
+        "a rank must compute, as a fraction, to count as a straggler.", range=POSITIVE)
 
     def budget(self, phase: str) -> float:
         """Seconds the watchdog allows ``phase`` (index, load, first_step, save, eval or

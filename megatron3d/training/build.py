@@ -48,6 +48,7 @@ from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Hooks, ModelParts, RunData, Saver, Trainer
 from megatron3d.training.preflight import check_same_config
 from megatron3d.training.reporting import Reporter
+from megatron3d.training.straggler import StragglerWatch, stage_peers
 from megatron3d.training.tensorboard import TensorBoardWriter
 from megatron3d.zero.factory import DataParallel, build_data_parallel
 
@@ -145,6 +146,9 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         exit_watch=ExitWatch(cfg.checkpoint, state.world, dev, started),
         progress=given.progress or progress,
         skips=SkipWatch(cfg.resilience.max_skipped_iters_in_a_row, state.world, dev),
+        stragglers=StragglerWatch(cfg.resilience.straggler_interval,
+                                  cfg.resilience.straggler_threshold, state.world,
+                                  stage_peers(state.world_size, state.pp.size), dev, writer),
         hooks=given.hooks)
 
 

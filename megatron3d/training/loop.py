@@ -33,6 +33,7 @@ from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.reporting import Reporter
 from megatron3d.training.step import StepResult, check_grad_norm, train_step
+from megatron3d.training.straggler import StragglerWatch
 from megatron3d.zero.factory import DataParallel
 
 logger = get_logger(__name__)
@@ -130,6 +131,7 @@ class Trainer:
     exit_watch: ExitWatch
     progress: Progress  # advanced in place as the run goes
     skips: SkipWatch  # stops a run whose steps are all skipped (divergence.py)
+    stragglers: StragglerWatch  # names a rank whose compute is persistently slow
     hooks: Hooks = field(default_factory=Hooks)
     _last: _Outcome = field(init=False, default_factory=_Outcome)
 
@@ -160,6 +162,7 @@ class Trainer:
         self.model.engine.stage.train()
         reporter = self.reporter
         reporter.start()
+        self.stragglers.start(self.progress.iteration)
         self.hooks.heartbeat.starting(self.progress.iteration)
         with self.exit_watch:
             while self.progress.iteration < self.total_iters:
@@ -168,6 +171,7 @@ class Trainer:
                 self.skips.add(result.stats.skipped, result.loss)
                 if reporter.step(self.progress, result, lr, gbs):  # the log line synced
                     self.skips.check(self.progress.iteration)
+                    self.stragglers.at_log_line(self.progress)
                 self._after_step(result)
                 it = self.progress.iteration
                 stop = self.exit_watch.should_stop(it, last=it >= self.total_iters)
@@ -233,7 +237,7 @@ class Trainer:
         lr = self.lr_schedule.lr_at(consumed)
         model = self.model
         result = train_step(model.engine, model.optimizer, self.data.train(consumed, gbs), lr,
-                            model.grad_sync, model.dp)
+                            model.grad_sync, model.dp, self.stragglers.spans)
         self.progress.iteration += 1
         if self.cfg.resilience.check_for_nan_in_loss_and_grad:
             check_grad_norm(result.stats, self.progress.iteration)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron3d.device import ComputeSpans
 from megatron3d.errors import TrainingError
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
@@ -23,10 +24,16 @@ class StepResult:
 
 def train_step(engine: PipelineEngine, optimizer: MixedPrecisionOptimizer,
                batches: list[Batch], lr: float, grad_sync: GradSync,
-               dp: AxisGroup) -> StepResult:
+               dp: AxisGroup, spans: ComputeSpans | None = None) -> StepResult:
+    """``spans`` times the forward and backward passes (the straggler watch's compute time),
+    not the reductions waited for after them."""
     optimizer.zero_grad()
+    if spans is not None:
+        spans.begin()
     loss = engine.forward_backward(batches, optimizer.loss_scale,
                                    before_last_backward=grad_sync.before_last_backward)
+    if spans is not None:
+        spans.end()
     grad_sync()
     return StepResult(loss=average_over(loss, dp), stats=optimizer.step(lr))
 
