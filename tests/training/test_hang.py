@@ -108,7 +108,7 @@ def test_frozen_rank_is_the_only_culprit(tmp_path, frozen):
         time.sleep(0.05)
     os.kill(int(pid_file.read_text()), signal.SIGSTOP)
     stopped_at = time.monotonic()
-    assert job.wait(240, teardown_s=8) == HANG_EXIT_CODE
+    assert job.wait(240, teardown_s=8, frozen=(frozen,)) == HANG_EXIT_CODE
     _check_exits(job, tmp_path, [r for r in range(WORLD) if r != frozen], stopped_at)
     assert not (tmp_path / "hang" / f"rank-{frozen:05d}.txt").exists()
     report = _report(tmp_path / "hang")
