@@ -36,8 +36,12 @@ class Job:
     exit_codes: list[int | None] = field(default_factory=list)
     exit_times: list[float | None] = field(default_factory=list)  # monotonic
 
-    def wait(self, timeout_s: float, teardown_s: float = 30.0) -> int:
-        """Wait for every rank; return the job's exit code (first non-zero, else 0)."""
+    def wait(self, timeout_s: float, teardown_s: float = 30.0,
+             frozen: tuple[int, ...] = ()) -> int:
+        """Wait for every rank; return the job's exit code (first non-zero, else 0).
+
+        ``frozen`` ranks (stopped by the test) are killed as soon as every other rank has
+        exited after a failure, instead of waiting out ``teardown_s`` for them."""
         n = len(self.procs)
         self.exit_codes, self.exit_times = [None] * n, [None] * n
         deadline, failed_at = time.monotonic() + timeout_s, None
@@ -48,7 +52,10 @@ class Job:
                     self.exit_codes[r], self.exit_times[r] = p.returncode, now
                     if p.returncode != 0 and failed_at is None:
                         failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + teardown_s):
+            live_done = all(c is not None for r, c in enumerate(self.exit_codes)
+                            if r not in frozen)
+            if now > deadline or (failed_at is not None
+                                  and (now > failed_at + teardown_s or live_done)):
                 self.kill()
                 break
             time.sleep(0.1)

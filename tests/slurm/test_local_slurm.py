@@ -15,7 +15,8 @@ Constraints of containers and CI machines, and what the configuration does about
 - no cgroups: ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none``;
 - the hostname may not resolve: the node is ``localhost`` at 127.0.0.1 (``slurmd -N localhost``);
 - fewer cores or less memory than declared: ``SlurmdParameters=config_overrides``;
-- a requeued job waits ``cred_expire`` seconds (default 120) before it may start again: 10 here.
+- a requeued job waits ``cred_expire`` seconds (default 120) before it may start again: 5 here
+  (a step's launch credential lives as long; its launch takes well under a second).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class LocalSlurm:
             "AuthType=auth/munge",
             "CredType=cred/munge",
             # Our munged; cred_expire is also how long a requeued job waits to start again.
-            f"AuthInfo=socket={munge_socket},cred_expire=10",
+            f"AuthInfo=socket={munge_socket},cred_expire=5",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",

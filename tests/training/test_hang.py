@@ -108,7 +108,7 @@ def test_frozen_rank_is_the_only_culprit(tmp_path, frozen):
         time.sleep(0.05)
     os.kill(int(pid_file.read_text()), signal.SIGSTOP)
     stopped_at = time.monotonic()
-    assert job.wait(240, teardown_s=8) == HANG_EXIT_CODE
+    assert job.wait(240, teardown_s=8, frozen=(frozen,)) == HANG_EXIT_CODE
     _check_exits(job, tmp_path, [r for r in range(WORLD) if r != frozen], stopped_at)
     assert not (tmp_path / "hang" / f"rank-{frozen:05d}.txt").exists()
     report = _report(tmp_path / "hang")
@@ -118,7 +118,9 @@ def test_frozen_rank_is_the_only_culprit(tmp_path, frozen):
 
 
 def test_sigusr2_dumps_and_training_continues(tmp_path):
-    iters = 150
+    # The signal lands a few steps in (the wait below): 60 steps leave over 50 for the dump,
+    # which takes one watchdog poll (0.1 s); a step at least as long as the test's 0.05 s poll.
+    iters = 60
     job = _run(tmp_path, "", rank=-1, iters=iters)
     marker = tmp_path / "steps-2"
     deadline = time.monotonic() + 180
@@ -130,7 +132,7 @@ def test_sigusr2_dumps_and_training_continues(tmp_path):
     dump = read_dump(tmp_path / "hang" / "rank-00002.txt")
     assert dump["reason"].startswith("SIGUSR2") and dump["iteration"] < iters
     assert dump["ops"], "the dump holds the recent collectives"
-    assert f"iteration      {iters}/     {iters}" in job.output(3)
+    assert f"iteration {iters:8d}/{iters:8d}" in job.output(3)  # the log line's widths
     assert not (tmp_path / "hang" / "rank-00000.txt").exists()
 
 
