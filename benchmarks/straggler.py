@@ -53,9 +53,10 @@ def _argv(steps: int, interval: int, threshold: float, board: str) -> list[str]:
             str(interval), "--straggler-threshold", str(threshold), "--tensorboard-dir", board]
 
 
-class _Slow:
-    """Engine observer: spins for ``seconds`` of CPU at the start of each program (the injected
-    slowness: on CPU the processor is the device, and a sleep is no compute)."""
+class SlowCompute:
+    """Engine observer: spins for ``seconds`` of CPU at the start of each step's passes (the
+    injected slowness, outside core objects: on CPU the processor is the device, and a sleep
+    is no compute). The straggler test injects its fault with it too."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -72,7 +73,7 @@ class _Slow:
         pass
 
 
-class _Named(logging.Handler):
+class StragglerWarnings(logging.Handler):
     """The straggler warnings of this rank, with the iteration each was logged at."""
 
     def __init__(self) -> None:
@@ -89,8 +90,8 @@ def _rank(argv: list[str], slow_rank: int, delay_s: float) -> tuple[list, float]
     state = ParallelState.build(1, 1)
     cfg = parse_args(argv)
     validate(cfg, state.world_size)
-    named = _Named()
-    observers = (_Slow(delay_s),) if state.world_rank == slow_rank and delay_s else ()
+    named = StragglerWarnings()
+    observers = (SlowCompute(delay_s),) if state.world_rank == slow_rank and delay_s else ()
 
     def seen(iteration: int, _result) -> None:
         named.iteration = iteration

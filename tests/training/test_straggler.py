@@ -11,6 +11,7 @@ import time
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from benchmarks.straggler import SlowCompute, StragglerWarnings
 from megatron3d.device import ComputeSpans
 from megatron3d.training.build import Overrides
 from megatron3d.training.straggler import PERSISTENCE, StragglerRule, slowdowns, stage_peers
@@ -72,50 +73,19 @@ def test_cpu_compute_time_counts_work_not_waiting():
     time.sleep(0.05)
     spans.end()
     spans.begin()
-    _SlowCompute(0.02).begin([])
+    SlowCompute(0.02).begin([])
     spans.end()
     waited, worked = spans.take()
     assert waited < 0.01 <= 0.02 <= worked
     assert spans.take() == []
 
 
-class _SlowCompute:
-    """A program observer that computes (spins) for ``seconds`` at the start of each step's
-    passes: the injected fault, inside the compute the watch times, outside core objects."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def begin(self, program) -> None:
-        start = time.thread_time()  # busy: the CPU is the device, and it is slow
-        while time.thread_time() - start < self.seconds:
-            pass
-
-    def after(self, instruction) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
-
-
-class _Warnings(logging.Handler):
-    """The straggler warnings this rank logged, with the iteration each came at."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.iteration = 0
-        self.named: list[tuple[int, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.named.append((self.iteration + 1, record.getMessage()))  # before its on_step
-
-
 def _train_with_slow_rank(slow_rank: int, iters: int, board: str) -> list[tuple[int, str]]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    observers = (_SlowCompute(0.15),) if rank == slow_rank else ()
-    warnings = _Warnings()
+    observers = (SlowCompute(0.15),) if rank == slow_rank else ()
+    warnings = StragglerWarnings()
     logger = logging.getLogger("megatron3d.training.straggler")
     logger.addHandler(warnings)
 
@@ -129,7 +99,7 @@ def _train_with_slow_rank(slow_rank: int, iters: int, board: str) -> list[tuple[
         trainer.run()
     finally:
         logger.removeHandler(warnings)
-    return warnings.named
+    return warnings.lines
 
 
 def test_a_rank_slowed_by_150_ms_per_step_is_named_within_20_steps(tmp_path):
