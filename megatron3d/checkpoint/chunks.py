@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from megatron3d.checkpoint.tiling import overlapping
 from megatron3d.errors import CheckpointError
 from megatron3d.mpu.meta import ParamMeta
 from megatron3d.mpu.replicas import counted_once
@@ -82,7 +83,7 @@ def assemble(name: str, kind: str, chunks: list[dict]) -> torch.Tensor:
         ranges[c["tp_rank"]].append((c["start"], c["end"]))
     numel = slices[0].numel()
     for tp_rank, found in enumerate(ranges):
-        gap = _untiled(sorted(found), numel)
+        gap = _untiled(found, numel)
         if gap is not None:
             raise CheckpointError(f"checkpoint is incomplete: {name} ({kind}) of TP rank "
                                   f"{tp_rank} {gap}; a shard file is missing, truncated or "
@@ -93,15 +94,12 @@ def assemble(name: str, kind: str, chunks: list[dict]) -> torch.Tensor:
 
 
 def _untiled(ranges: list[tuple[int, int]], numel: int) -> str | None:
-    """What keeps sorted element ranges from covering [0, numel) exactly once (sizes that add
-    up are not enough: two chunks of one region would leave another unwritten), or None."""
-    at = 0
-    for start, end in ranges:
-        if start != at:
-            return (f"has no element {at}" if start > at else
-                    f"holds elements {start}-{min(at, end) - 1} twice")
-        at = end
-    return None if at == numel else f"has {at} of {numel} elements"
+    """What keeps element ranges (each inside [0, numel), as ``payload`` checked) from
+    covering [0, numel) exactly once, or None."""
+    if overlapping([((start,), (end - start,)) for start, end in ranges]):
+        return "holds overlapping chunks"
+    held = sum(end - start for start, end in ranges)
+    return None if held == numel else f"has {held} of {numel} elements"
 
 
 def tp_slice(logical: torch.Tensor, meta: ParamMeta, tp_rank: int, tp_size: int,
