@@ -29,7 +29,7 @@ ZERO3_TP2_DP2 = ("--tensor-model-parallel-size", "2", "--zero-stage", "3")
 WORLD = 4
 
 
-class _Failure(Exception):
+class _FailureError(Exception):
     """Stands for a rank's death: raised on every rank after step ``CRASH``."""
 
 
@@ -44,10 +44,10 @@ def _fail(argv: list[str]) -> None:
     def on_step(it: int, _) -> None:
         if it == CRASH:
             trainer.local_save.wait()
-            raise _Failure
+            raise _FailureError
 
     trainer, _ = build(argv, on_step=on_step)
-    with pytest.raises(_Failure):
+    with pytest.raises(_FailureError):
         trainer.run()
 
 
