@@ -56,30 +56,30 @@ class PeerLink:
         self.source = source_of(rank, world_size, nodes)
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
 
-    def swap(self, outgoing: bytes) -> bytes:
+    def swap(self, outgoing: bytearray) -> memoryview:
         """Send ``outgoing`` to the peer and return what the source sent (lengths first)."""
         if self.group is None:
-            return outgoing
+            return memoryview(outgoing)
         size = torch.zeros(1, dtype=_SIZE)
         self._both([(torch.tensor([len(outgoing)], dtype=_SIZE), self.peer)],
                    [(size, self.source)])
         incoming = torch.empty(int(size), dtype=torch.uint8)
         self._both([(_as_tensor(outgoing), self.peer)] if outgoing else [],
                    [(incoming, self.source)] if incoming.numel() else [])
-        return incoming.numpy().tobytes()
+        return memoryview(incoming.numpy())
 
-    def send(self, blob: bytes, to: int) -> None:
+    def send(self, blob: bytearray, to: int) -> None:
         self._both([(torch.tensor([len(blob)], dtype=_SIZE), to)], [])
         if blob:
             self._both([(_as_tensor(blob), to)], [])
 
-    def receive(self, source: int) -> bytes:
+    def receive(self, source: int) -> memoryview:
         size = torch.zeros(1, dtype=_SIZE)
         self._both([], [(size, source)])
         blob = torch.empty(int(size), dtype=torch.uint8)
         if blob.numel():
             self._both([], [(blob, source)])
-        return blob.numpy().tobytes()
+        return memoryview(blob.numpy())
 
     def gather(self, mine: Any) -> list[Any]:
         """Every rank's ``mine`` (small plain data), in rank order."""
@@ -101,5 +101,5 @@ class PeerLink:
             work.wait()
 
 
-def _as_tensor(blob: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+def _as_tensor(blob: bytearray) -> torch.Tensor:
+    return torch.frombuffer(blob, dtype=torch.uint8)  # a view: no copy

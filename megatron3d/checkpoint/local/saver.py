@@ -99,9 +99,9 @@ class LocalSaver:
         The swap and the barrier happen whatever failed, so that no rank waits forever."""
         rank, source = self.state.world_rank, self.link.source
         own = store.copy_dir(self.root, rank, iteration)
-        blob = b""
+        blob = bytearray()
         if payload is not None:
-            blob = self._attempt(lambda: self._write_own(own, payload, meta)) or b""
+            blob = self._attempt(lambda: self._write_own(own, payload, meta)) or bytearray()
         incoming = self.link.swap(blob)
         if incoming and source != rank:
             held = io.iteration_dir(store.held_dir(self.root, rank, source), iteration)
@@ -112,7 +112,7 @@ class LocalSaver:
             self._attempt(lambda: store.confirm(own))
             self._attempt(lambda: store.prune(own.parent))
 
-    def _write_own(self, directory: Path, payload: dict, meta: dict | None) -> bytes:
+    def _write_own(self, directory: Path, payload: dict, meta: dict | None) -> bytearray:
         """This rank's copy (a global save's rank file and meta.json); its bytes, packed."""
         assert meta is not None
         staging = directory.with_name(directory.name + ".tmp")

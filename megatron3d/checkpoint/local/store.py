@@ -170,18 +170,20 @@ def copy_dir(root: Path, rank: int, iteration: int) -> Path:
     return io.iteration_dir(own_dir(root, rank), iteration)
 
 
-def pack(files: dict[str, bytes], sidecar: dict) -> bytes:
-    """One blob for the wire: a length-prefixed JSON header (names, sizes, sidecar), then
-    the files' bytes in order. Plain data only: nothing received is unpickled."""
+def pack(files: dict[str, bytes], sidecar: dict) -> bytearray:
+    """One blob for the wire (one copy of the files, writable so that it is sent without
+    another): a length-prefixed JSON header (names, sizes, sidecar), then the files' bytes
+    in order. Plain data only: nothing received is unpickled."""
     header = json.dumps({"names": list(files), "sizes": [len(d) for d in files.values()],
                          "sidecar": sidecar}).encode()
-    return b"".join([len(header).to_bytes(8, "little"), header, *files.values()])
+    return bytearray().join([len(header).to_bytes(8, "little"), header, *files.values()])
 
 
-def unpack(blob: bytes) -> tuple[dict[str, bytes], dict]:
-    """``pack``'s files and sidecar back."""
+def unpack(blob: bytes | memoryview) -> tuple[dict[str, bytes], dict]:
+    """``pack``'s files (views into ``blob``, not copies) and sidecar back."""
+    blob = memoryview(blob)
     size = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + size])
+    header = json.loads(bytes(blob[8:8 + size]))
     files, at = {}, 8 + size
     for name, n in zip(header["names"], header["sizes"], strict=True):
         files[name] = blob[at:at + n]
