@@ -22,6 +22,7 @@ import pickle
 import shutil
 import stat
 from collections.abc import Iterator
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +72,31 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def write_rank(directory: Path, rank: int, payload: dict[str, Any]) -> None:
-    def write(f) -> None:
-        try:
-            torch.save(payload, f)
-        except RuntimeError as err:  # torch's zip writer reports a failed write (a full disk)
-            raise OSError(f"torch.save failed: {str(err).splitlines()[0]}") from None
+def _save(payload: dict[str, Any], f) -> None:
+    try:
+        torch.save(payload, f)
+    except RuntimeError as err:  # torch's zip writer reports a failed write (a full disk)
+        raise OSError(f"torch.save failed: {str(err).splitlines()[0]}") from None
 
-    _atomic_write(rank_file(directory, rank), write)
+
+def write_rank(directory: Path, rank: int, payload: dict[str, Any]) -> None:
+    _atomic_write(rank_file(directory, rank), lambda f: _save(payload, f))
+
+
+def rank_bytes(payload: dict[str, Any]) -> memoryview:
+    """A rank file's bytes in memory, as ``write_rank`` writes them (for copies that are
+    written and sent from one buffer: ``checkpoint/local``)."""
+    buffer = BytesIO()
+    _save(payload, buffer)
+    return buffer.getbuffer()
+
+
+def meta_bytes(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, indent=1, sort_keys=True).encode()
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
-    text = json.dumps(meta, indent=1, sort_keys=True).encode()
+    text = meta_bytes(meta)
     _atomic_write(directory / "meta.json", lambda f: f.write(text))
 
 

@@ -74,7 +74,7 @@ def test_a_copy_is_listed_only_when_complete_and_used_only_when_intact(tmp_path)
     assert store.intact(directory, "other config") is None
     (directory / "rank_00001.pt").write_bytes(bytes(range(255, -1, -1)))
     assert store.intact(directory, "h") is None
-    assert store.unpack(store.pack(files, {"owner": 1})) == (files, {"owner": 1})
+    assert store.unframe(store.frames(files, {"owner": 1})) == (files, {"owner": 1})
 
 
 def test_the_newest_two_iterations_are_kept(tmp_path):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 _SIZE = torch.int64
+MAX_FRAMES = 8  # parts of one message: a header and a copy's few files
 
 
 def peer_of(rank: int, world_size: int, local_world_size: int) -> int:
@@ -46,7 +47,7 @@ def local_world_size(world_size: int) -> int:
 
 
 class PeerLink:
-    """This rank's end of the local-checkpoint group: blobs to and from other ranks, and the
+    """This rank's end of the local-checkpoint group: frames to and from other ranks, and the
     small agreements of a restore. Every method is a call all named ranks make."""
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -56,30 +57,27 @@ class PeerLink:
         self.source = source_of(rank, world_size, nodes)
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
 
-    def swap(self, outgoing: bytearray) -> memoryview:
-        """Send ``outgoing`` to the peer and return what the source sent (lengths first)."""
+    def swap(self, outgoing: list[memoryview]) -> list[memoryview]:
+        """Send the frames ``outgoing`` to the peer and return the source's (sizes first)."""
         if self.group is None:
-            return memoryview(outgoing)
-        size = torch.zeros(1, dtype=_SIZE)
-        self._both([(torch.tensor([len(outgoing)], dtype=_SIZE), self.peer)],
-                   [(size, self.source)])
-        incoming = torch.empty(int(size), dtype=torch.uint8)
-        self._both([(_as_tensor(outgoing), self.peer)] if outgoing else [],
-                   [(incoming, self.source)] if incoming.numel() else [])
-        return memoryview(incoming.numpy())
+            return outgoing
+        sizes = torch.zeros(MAX_FRAMES + 1, dtype=_SIZE)
+        self._both([(_sizes(outgoing), self.peer)], [(sizes, self.source)])
+        incoming = _buffers(sizes)
+        self._both([(_as_tensor(p), self.peer) for p in outgoing if len(p)],
+                   [(t, self.source) for t in incoming if t.numel()])
+        return [memoryview(t.numpy()) for t in incoming]
 
-    def send(self, blob: bytearray, to: int) -> None:
-        self._both([(torch.tensor([len(blob)], dtype=_SIZE), to)], [])
-        if blob:
-            self._both([(_as_tensor(blob), to)], [])
+    def send(self, parts: list[memoryview], to: int) -> None:
+        self._both([(_sizes(parts), to)], [])
+        self._both([(_as_tensor(p), to) for p in parts if len(p)], [])
 
-    def receive(self, source: int) -> memoryview:
-        size = torch.zeros(1, dtype=_SIZE)
-        self._both([], [(size, source)])
-        blob = torch.empty(int(size), dtype=torch.uint8)
-        if blob.numel():
-            self._both([], [(blob, source)])
-        return memoryview(blob.numpy())
+    def receive(self, source: int) -> list[memoryview]:
+        sizes = torch.zeros(MAX_FRAMES + 1, dtype=_SIZE)
+        self._both([], [(sizes, source)])
+        incoming = _buffers(sizes)
+        self._both([], [(t, source) for t in incoming if t.numel()])
+        return [memoryview(t.numpy()) for t in incoming]
 
     def gather(self, mine: Any) -> list[Any]:
         """Every rank's ``mine`` (small plain data), in rank order."""
@@ -101,5 +99,21 @@ class PeerLink:
             work.wait()
 
 
-def _as_tensor(blob: bytearray) -> torch.Tensor:
-    return torch.frombuffer(blob, dtype=torch.uint8)  # a view: no copy
+def _sizes(parts: list[memoryview]) -> torch.Tensor:
+    """[number of frames, each one's length, zeros]: what the receiver allocates."""
+    assert len(parts) <= MAX_FRAMES, "a copy is a header and a few files"
+    sizes = torch.zeros(MAX_FRAMES + 1, dtype=_SIZE)
+    sizes[0] = len(parts)
+    sizes[1:len(parts) + 1] = torch.tensor([len(p) for p in parts], dtype=_SIZE)
+    return sizes
+
+
+def _buffers(sizes: torch.Tensor) -> list[torch.Tensor]:
+    count, *lengths = sizes.tolist()
+    return [torch.empty(n, dtype=torch.uint8) for n in lengths[:count]]
+
+
+def _as_tensor(part: memoryview) -> torch.Tensor:
+    """A view of ``part`` (no copy); a read-only part (bytes read from a file) is copied
+    first, since torch views only writable memory."""
+    return torch.frombuffer(bytearray(part) if part.readonly else part, dtype=torch.uint8)

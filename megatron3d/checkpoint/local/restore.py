@@ -134,9 +134,9 @@ def _move(link: PeerLink, root: Path, choice: Choice, read: dict[str, dict[str, 
             if Path(path) != target:
                 store.write_copy(target, read[path], store.read_sidecar(Path(path)))
         elif reader == link.rank:
-            link.send(store.pack(read[path], store.read_sidecar(Path(path))), to=owner)
+            link.send(store.frames(read[path], store.read_sidecar(Path(path))), to=owner)
         elif owner == link.rank:
-            files, sidecar = store.unpack(link.receive(reader))
+            files, sidecar = store.unframe(link.receive(reader))
             store.write_copy(target, files, sidecar)
     iterations = link.gather(io.read_meta(target)["iteration"])
     if set(iterations) != {choice.iteration}:

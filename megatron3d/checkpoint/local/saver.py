@@ -98,33 +98,30 @@ class LocalSaver:
         """The thread: own copy, swap with the peer and source, held copy, barrier, confirm.
         The swap and the barrier happen whatever failed, so that no rank waits forever."""
         rank, source = self.state.world_rank, self.link.source
-        own = store.copy_dir(self.root, rank, iteration)
-        blob = bytearray()
+        outgoing: list[memoryview] = []
         if payload is not None:
-            blob = self._attempt(lambda: self._write_own(own, payload, meta)) or bytearray()
-        incoming = self.link.swap(blob)
+            own = store.copy_dir(self.root, rank, iteration)
+            outgoing = self._attempt(lambda: self._write_own(own, payload, meta)) or []
+        incoming = self.link.swap(outgoing)
         if incoming and source != rank:
             held = io.iteration_dir(store.held_dir(self.root, rank, source), iteration)
-            self._attempt(lambda: store.write_copy(held, *store.unpack(incoming)))
+            self._attempt(lambda: store.write_copy(held, *store.unframe(incoming)))
             self._attempt(lambda: store.prune(held.parent))
         self.link.barrier()
-        if blob:
+        if outgoing:
             self._attempt(lambda: store.confirm(own))
             self._attempt(lambda: store.prune(own.parent))
 
-    def _write_own(self, directory: Path, payload: dict, meta: dict | None) -> bytearray:
-        """This rank's copy (a global save's rank file and meta.json); its bytes, packed."""
+    def _write_own(self, directory: Path, payload: dict, meta: dict | None) -> list[memoryview]:
+        """This rank's copy (a global save's rank file and meta.json, serialised once into
+        memory, written from there) and its frames for the peer (views of the same bytes)."""
         assert meta is not None
-        staging = directory.with_name(directory.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        io.write_rank(staging, self.state.world_rank, payload)
-        io.write_meta(staging, meta)
-        files = store.read_files(staging)
-        sidecar = store.sidecar_of(self.state.world_rank, payload["iteration"],
-                                   self.config_hash, files)
-        store.finish_copy(staging, directory, sidecar)
-        return store.pack(files, sidecar)
+        rank = self.state.world_rank
+        files = {io.rank_file(directory, rank).name: io.rank_bytes(payload),
+                 "meta.json": io.meta_bytes(meta)}
+        sidecar = store.sidecar_of(rank, payload["iteration"], self.config_hash, files)
+        store.write_copy(directory, files, sidecar)
+        return store.frames(files, sidecar)
 
     def _attempt(self, work):
         try:

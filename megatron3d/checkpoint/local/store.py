@@ -170,25 +170,18 @@ def copy_dir(root: Path, rank: int, iteration: int) -> Path:
     return io.iteration_dir(own_dir(root, rank), iteration)
 
 
-def pack(files: dict[str, bytes], sidecar: dict) -> bytearray:
-    """One blob for the wire (one copy of the files, writable so that it is sent without
-    another): a length-prefixed JSON header (names, sizes, sidecar), then the files' bytes
-    in order. Plain data only: nothing received is unpickled."""
-    header = json.dumps({"names": list(files), "sizes": [len(d) for d in files.values()],
-                         "sidecar": sidecar}).encode()
-    return bytearray().join([len(header).to_bytes(8, "little"), header, *files.values()])
+def frames(files: dict[str, bytes | memoryview], sidecar: dict) -> list[memoryview]:
+    """A copy's wire form: a JSON header (file names, sidecar), then each file's bytes as
+    they are (views, not copies: a save's rank file goes from the one buffer it was
+    serialised into). Plain data only: nothing received is unpickled."""
+    header = bytearray(json.dumps({"names": list(files), "sidecar": sidecar}).encode())
+    return [memoryview(header), *(memoryview(data) for data in files.values())]
 
 
-def unpack(blob: bytes | memoryview) -> tuple[dict[str, bytes], dict]:
-    """``pack``'s files (views into ``blob``, not copies) and sidecar back."""
-    blob = memoryview(blob)
-    size = int.from_bytes(blob[:8], "little")
-    header = json.loads(bytes(blob[8:8 + size]))
-    files, at = {}, 8 + size
-    for name, n in zip(header["names"], header["sizes"], strict=True):
-        files[name] = blob[at:at + n]
-        at += n
-    return files, header["sidecar"]
+def unframe(parts: list[memoryview]) -> tuple[dict[str, memoryview], dict]:
+    """``frames``' files (views into ``parts``) and sidecar back."""
+    header = json.loads(bytes(parts[0]))
+    return dict(zip(header["names"], parts[1:], strict=True)), header["sidecar"]
 
 
 def config_hash(config: dict, layout: dict) -> str:
