@@ -6,9 +6,11 @@ the same steps: without local saves (the baseline), then with ``--non-persistent
 1`` (``--non-persistent-ckpt-type memory`` under ``--dir``, default /dev/shm: host memory).
 A step's time is the wall time between the ends of consecutive steps (``Hooks.on_step``),
 so a step carries its save's part on the training thread (waiting for the save before, the
-finiteness check, the copy to host memory: on a GPU, a device-to-host copy and one sync at
-the save point, as a global save's) and the background thread's share of the cores (writing
-the rank file, replicating it to the peer, the barrier). The ratio is the median step with
+copy to host memory: on a GPU, a device-to-host copy and one sync at the save point, as a
+global save's) and the background thread's share of the cores (the finiteness check, writing
+the rank file, replicating it to the peer, the barrier). A step is ``--accumulation``
+micro-batches per rank (8 by default; a real run has hundreds, and the save's cost is per
+step while the compute grows with them). The ratio is the median step with
 saves over the median step without, first steps left out (warm-up). On a CPU machine the
 writer thread competes with the training processes for the same cores; with GPUs it
 competes only for host cores.
@@ -47,7 +49,7 @@ def argv(a: argparse.Namespace, world: int, local_root: str | None) -> list[str]
     return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
             "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq),
             "--micro-batch-size", str(a.micro_batch),
-            "--global-batch-size", str(a.micro_batch * world * 2),
+            "--global-batch-size", str(a.micro_batch * world * a.accumulation),
             "--train-iters", str(a.steps), "--lr", "1e-4", "--lr-decay-style", "constant",
             "--mock-data", "--vocab-size", str(a.vocab), "--zero-stage", "1",
             "--eval-iters", "0", "--log-interval", "1000", *local]
@@ -85,13 +87,15 @@ def main(args: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--accumulation", type=int, default=8,
+                   help="micro-batches per rank per step (a real run has hundreds)")
     p.add_argument("--world", type=int, default=2, help="gloo ranks (DP, ZeRO-1)")
     p.add_argument("--dir", default="/dev/shm", help="root of the local store")
     a = p.parse_args(args)
     with tempfile.TemporaryDirectory(prefix="m3d_local_", dir=a.dir) as root:
         found = local_save_cost(a, a.world, root)
     sys.stdout.write(f"{found['machine']}; {a.world} ranks, hidden {a.hidden}, {a.layers} "
-                     f"layers, seq {a.seq}, micro-batch {a.micro_batch}\n"
+                     f"layers, seq {a.seq}, micro-batch {a.micro_batch} x {a.accumulation}\n"
                      f"median step without local saves: {found['baseline_s'] * 1e3:.1f} ms\n"
                      f"median step with a local save every step: {found['local_s'] * 1e3:.1f} "
                      f"ms\nratio: {found['ratio']:.3f} ({(found['ratio'] - 1) * 100:+.1f}%)\n")

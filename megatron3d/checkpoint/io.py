@@ -22,7 +22,6 @@ import pickle
 import shutil
 import stat
 from collections.abc import Iterator
-from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +62,15 @@ def rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank_{rank:05d}.pt"
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write, sync: bool = True) -> None:
+    """``write(f)`` into a temporary file renamed to ``path``; ``sync``: flushed to the disk
+    first (not for node-local copies a checksum guards: ``checkpoint/local``)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -79,25 +81,13 @@ def _save(payload: dict[str, Any], f) -> None:
         raise OSError(f"torch.save failed: {str(err).splitlines()[0]}") from None
 
 
-def write_rank(directory: Path, rank: int, payload: dict[str, Any]) -> None:
-    _atomic_write(rank_file(directory, rank), lambda f: _save(payload, f))
+def write_rank(directory: Path, rank: int, payload: dict[str, Any], sync: bool = True) -> None:
+    _atomic_write(rank_file(directory, rank), lambda f: _save(payload, f), sync)
 
 
-def rank_bytes(payload: dict[str, Any]) -> memoryview:
-    """A rank file's bytes in memory, as ``write_rank`` writes them (for copies that are
-    written and sent from one buffer: ``checkpoint/local``)."""
-    buffer = BytesIO()
-    _save(payload, buffer)
-    return buffer.getbuffer()
-
-
-def meta_bytes(meta: dict[str, Any]) -> bytes:
-    return json.dumps(meta, indent=1, sort_keys=True).encode()
-
-
-def write_meta(directory: Path, meta: dict[str, Any]) -> None:
-    text = meta_bytes(meta)
-    _atomic_write(directory / "meta.json", lambda f: f.write(text))
+def write_meta(directory: Path, meta: dict[str, Any], sync: bool = True) -> None:
+    text = json.dumps(meta, indent=1, sort_keys=True).encode()
+    _atomic_write(directory / "meta.json", lambda f: f.write(text), sync)
 
 
 def publish(root: Path, iteration: int, series: str = LEGACY_SERIES) -> None:

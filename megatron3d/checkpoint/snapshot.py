@@ -64,3 +64,8 @@ class HostSnapshot:
                 else:
                     target.copy_(source, non_blocking=True)
         devices.synchronize(self.device)
+
+    def all_finite(self) -> bool:
+        """Whether the captured state holds no NaN/Inf: a check of host memory, row by row
+        (for a writer thread: no device work, no sync)."""
+        return all(bool(torch.isfinite(row).all()) for row in self._buffer)

@@ -5,9 +5,11 @@ On the training thread, at the save's step: the state is captured exactly as a g
 captures it (``snapshot.HostSnapshot``: the owned fp32 weights and Adam moments copied
 straight from the optimizer's tensors into one host buffer, pinned on GPUs; on a GPU this is
 a device-to-host copy and one device sync at the save point, as a global save's), with the
-RNG streams and meta.json's fields (``saving``'s own functions). A thread then writes this
-rank's copy (``io.write_rank``, the global format: a same-layout ``loading.load`` reads it),
-sends its bytes to the peer (``link.PeerLink``), writes the copy its source sent it, and
+RNG streams and meta.json's fields (``saving``'s own functions). A thread then checks the
+host copy is finite (a non-finite state is not kept), writes this rank's copy
+(``io.write_rank``, the global format: a same-layout ``loading.load`` reads it; not flushed
+to disk, a CRC guards it), sends the written bytes to the peer (``link.PeerLink``; the file
+mapped back, so on tmpfs no further copy), writes the copy its source sent it, and
 meets every rank at a barrier, after which its copy is marked confirmed: every rank then
 holds its own state and its source's of that iteration.
 
@@ -65,17 +67,13 @@ class LocalSaver:
             self._snapshot = HostSnapshot(self.params, self.optimizer.shard, self.state,
                                           self.cfg.parallel.zero_stage)
         it, rank = progress.iteration, self.state.world_rank
-        payload = meta = None
-        if self.optimizer.state_not_finite().item():  # a sync, at the save point
-            logger.warning("local checkpoint at iteration %d: rank %d's weights are not "
-                           "finite, not kept", it, rank)
-        else:
-            self._snapshot.capture(self.optimizer.live_state)
-            payload = {"chunks": self._snapshot.chunks, "rng": _capture_rng(self.rng),
-                       "iteration": it, "rank": rank, "layout": layout(self.cfg, self.state)}
-            meta = _meta(self.cfg, self.state, self.optimizer, progress, self.series,
-                         self.lr_schedule)
-        self._thread = threading.Thread(target=self._write, args=(it, payload, meta),
+        self._snapshot.capture(self.optimizer.live_state)
+        payload = {"chunks": self._snapshot.chunks, "rng": _capture_rng(self.rng),
+                   "iteration": it, "rank": rank, "layout": layout(self.cfg, self.state)}
+        meta = _meta(self.cfg, self.state, self.optimizer, progress, self.series,
+                     self.lr_schedule)
+        self._thread = threading.Thread(target=self._write,
+                                        args=(it, payload, meta, self._snapshot),
                                         name=f"local-checkpoint-{it}", daemon=True)
         self._thread.start()
 
@@ -94,13 +92,18 @@ class LocalSaver:
         self.link.barrier()  # every rank's thread is done with the others' directories
         shutil.rmtree(store.rank_dir(self.root, self.state.world_rank), ignore_errors=True)
 
-    def _write(self, iteration: int, payload: dict | None, meta: dict | None) -> None:
-        """The thread: own copy, swap with the peer and source, held copy, barrier, confirm.
-        The swap and the barrier happen whatever failed, so that no rank waits forever."""
+    def _write(self, iteration: int, payload: dict, meta: dict,
+               snapshot: HostSnapshot) -> None:
+        """The thread: the finiteness check (of the host copy: nothing on the device), own
+        copy, swap with the peer and source, held copy, barrier, confirm. The swap and the
+        barrier happen whatever failed, so that no rank waits forever."""
         rank, source = self.state.world_rank, self.link.source
         outgoing: list[memoryview] = []
-        if payload is not None:
-            own = store.copy_dir(self.root, rank, iteration)
+        own = store.copy_dir(self.root, rank, iteration)
+        if not snapshot.all_finite():
+            logger.warning("local checkpoint at iteration %d: rank %d's weights are not "
+                           "finite, not kept", iteration, rank)
+        else:
             outgoing = self._attempt(lambda: self._write_own(own, payload, meta)) or []
         incoming = self.link.swap(outgoing)
         if incoming and source != rank:
@@ -112,15 +115,18 @@ class LocalSaver:
             self._attempt(lambda: store.confirm(own))
             self._attempt(lambda: store.prune(own.parent))
 
-    def _write_own(self, directory: Path, payload: dict, meta: dict | None) -> list[memoryview]:
-        """This rank's copy (a global save's rank file and meta.json, serialised once into
-        memory, written from there) and its frames for the peer (views of the same bytes)."""
-        assert meta is not None
-        rank = self.state.world_rank
-        files = {io.rank_file(directory, rank).name: io.rank_bytes(payload),
-                 "meta.json": io.meta_bytes(meta)}
-        sidecar = store.sidecar_of(rank, payload["iteration"], self.config_hash, files)
-        store.write_copy(directory, files, sidecar)
+    def _write_own(self, directory: Path, payload: dict, meta: dict) -> list[memoryview]:
+        """This rank's copy (a global save's rank file and meta.json) and its frames for the
+        peer: the files mapped back (on tmpfs the pages written, not a copy of them)."""
+        staging = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        io.write_rank(staging, self.state.world_rank, payload, sync=False)
+        io.write_meta(staging, meta, sync=False)
+        files = store.mapped(staging)
+        sidecar = store.sidecar_of(self.state.world_rank, payload["iteration"],
+                                   self.config_hash, files)
+        store.finish_copy(staging, directory, sidecar)
         return store.frames(files, sidecar)
 
     def _attempt(self, work):

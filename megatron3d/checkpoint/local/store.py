@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import zlib
@@ -90,6 +91,20 @@ def sidecar_of(owner: int, iteration: int, config_hash: str,
                files: dict[str, bytes]) -> dict:
     return {"owner": owner, "iteration": iteration, "config_hash": config_hash,
             "crc32": {name: checksum(data) for name, data in files.items()}}
+
+
+def mapped(directory: Path) -> dict[str, memoryview]:
+    """The files a copy carries, memory-mapped copy-on-write (writable views that torch
+    can send without copying; nothing ever writes through them)."""
+    views = {}
+    for path in sorted(directory.iterdir()):
+        if path.name not in (SIDECAR, CONFIRMED):
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                views[path.name] = (memoryview(mmap.mmap(f.fileno(), size,
+                                                         access=mmap.ACCESS_COPY))
+                                    if size else memoryview(bytearray()))
+    return views
 
 
 def read_files(directory: Path) -> dict[str, bytes]:
