@@ -44,6 +44,7 @@ from megatron3d.mpu.topology import Topology
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.pipeline.interleaved import interleaving_conflicts
+from megatron3d.resilience.rerun_flags import check_rerun_flags
 
 T = TypeVar("T")
 
@@ -77,6 +78,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                       cfg.training.skip_train)
     _check_zero(cfg)
     _check_watchdog(cfg)
+    check_rerun_flags(cfg.resilience)
 
 
 def _check_required(cfg: TrainConfig) -> None:

@@ -28,7 +28,8 @@ class CompatFlag:
     is refused and what to use. ``nargs``: values it takes. ``becomes``: an alias's flags,
     ``{}`` standing for its value. ``only``: a notice's harmless values; any other value is
     refused with ``text``. ``convert``: turns the value (a file) into the alias's values,
-    raising ConfigError when it cannot."""
+    raising ConfigError when it cannot. ``values``: a verdict of its own for each value (a
+    mode flag); any other value is refused with ``text``."""
 
     name: str
     action: Action
@@ -37,6 +38,7 @@ class CompatFlag:
     becomes: tuple[str, ...] = ()
     only: tuple[str, ...] = ()
     convert: Callable[[str], list[str]] | None = None
+    values: Mapping[str, CompatFlag] = field(default_factory=dict)
 
 
 def _alias(name: str, becomes: str, text: str = "", nargs: int = 0) -> CompatFlag:
@@ -53,6 +55,11 @@ def _notice(names: str, text: str, nargs: int = 0, only: str = "") -> list[Compa
 
 def _refuse(names: str, text: str, nargs: int = 0) -> list[CompatFlag]:
     return [CompatFlag(n, "refuse", text, nargs) for n in names.split()]
+
+
+def _by_value(name: str, values: Mapping[str, CompatFlag], other: str) -> CompatFlag:
+    """A flag taking a mode: each value in ``values`` has its verdict, any other is refused."""
+    return CompatFlag(name, "refuse", other, 1, values=values)
 
 
 _NO_FUSION = "megatron3d has no hand-fused kernels to switch (torch kernels, apex when found)"
@@ -188,9 +195,14 @@ TABLE: tuple[CompatFlag, ...] = (
              "Transformer Engine: each step runs eagerly"),
     *_notice("--cuda-graph-impl --high-priority-stream-groups", "no CUDA graphs or "
              "Transformer Engine: each step runs eagerly", nargs=1),
-    *_notice("--rerun-mode", "no rerun state machine (--check-for-nan-in-loss-and-grad "
-             "stops a run with non-finite values); only 'disabled' is supported", nargs=1,
-             only="disabled"),
+    _by_value("--rerun-mode", {
+        "validate_results": _alias("--rerun-mode", "--rerun-on-bad-step", "a bad step is "
+                                   "re-run once on the same ranks to tell bad data from a "
+                                   "faulty rank"),
+        "disabled": _notice("--rerun-mode", "no step is re-run unless --rerun-on-bad-step "
+                            "is given")[0]},
+        "megatron3d does not re-run every step to measure its determinism: use "
+        "validate_results (--rerun-on-bad-step) or drop the flag"),
     *_notice("--valid-num-workers", "batches are read in the training process from "
              "memory-mapped .bin files", nargs=1),
     *_notice("--deepspeed", "megatron3d runs its own data parallelism and ZeRO: give the stage "
@@ -269,6 +281,8 @@ def translate(argv: Sequence[str], known: Collection[str]) -> Translation:
         nargs = flag.nargs if flag else _unknown_nargs(args, i, eq)
         values = [inline] if eq else args[i:i + nargs]
         i += 0 if eq else len(values)
+        if flag is not None and flag.values and values:
+            flag = flag.values.get(values[0], flag)
         shown = f"{name}={values[0]}" if len(values) == 1 else " ".join([name, *values])
         if flag is None:
             out.problems.append((shown, _unknown(name, known)))
@@ -342,10 +356,15 @@ def markdown_table() -> str:
                         "W1 P1 W2 P2 (BigScience's one group of whole datasets, 0:1) |")
             continue
         value = " VALUE" if flag.nargs else ""
-        what = " ".join(flag.becomes) if flag.action == "alias" else ""
-        detail = "; ".join(x for x in (what, flag.text) if x)
+        if flag.values:  # the first value's verdict leads; then the others', then the rest
+            each = [f"{_verdict(verbs, sub)} (`{v}`)" if i == 0 else
+                    f"`{v}`: {_verdict(verbs, sub)}"
+                    for i, (v, sub) in enumerate(flag.values.items())]
+            rows.append(f"| `{flag.name}{value}` (only {', '.join(flag.values)}) | "
+                        f"{'; '.join(each)}; other values refused: {flag.text} |")
+            continue
         only = f" (only {', '.join(flag.only)})" if flag.only else ""
-        rows.append(f"| `{flag.name}{value}`{only} | {verbs[flag.action]} {detail} |")
+        rows.append(f"| `{flag.name}{value}`{only} | {_verdict(verbs, flag)} |")
     for name, spellings in VALUE_SPELLINGS.items():
         pairs = ", ".join(f"`{a}` = `{b}`" for a, b in spellings.items())
         rows.append(f"| `{name}` values | Megatron's spelling accepted: {pairs} |")
@@ -353,3 +372,10 @@ def markdown_table() -> str:
     rows.append(f"| `--tokenizer-type` values | read with a notice: {pairs} (a "
                 "HuggingFaceTokenizer's `--tokenizer-model` is `--tokenizer-name-or-path`) |")
     return "\n".join(rows)
+
+
+def _verdict(verbs: Mapping[str, str], flag: CompatFlag) -> str:
+    """What the table says megatron3d does with ``flag``: the verb, the flags it stands for
+    (an alias) and its text."""
+    what = " ".join(flag.becomes) if flag.action == "alias" else ""
+    return " ".join([verbs[flag.action], "; ".join(x for x in (what, flag.text) if x)])
