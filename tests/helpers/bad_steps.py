@@ -58,6 +58,13 @@ class SpikeOnce(_Engine):
         return loss * self.factor if self.passes == self.at and self.on_rank else loss
 
 
+def _holds(batch: MicroBatch, tokens: torch.Tensor) -> bool:
+    """Whether one of the micro-batch's samples has the input tokens ``tokens``."""
+    if not isinstance(batch, MicroBatch):  # a middle stage's unread batch
+        return False
+    return bool((batch.tokens == tokens.to(batch.tokens.device)).all(dim=1).any())
+
+
 class PoisonedSample(_Engine):
     """Every micro-batch holding a sample whose input tokens are ``tokens`` gets a NaN loss
     mask, so its loss and gradients are NaN at every pass: a data fault, on whichever
@@ -73,10 +80,24 @@ class PoisonedSample(_Engine):
                                            **kwargs)
 
     def _poisoned(self, batch: MicroBatch) -> MicroBatch:
-        if not isinstance(batch, MicroBatch):  # a middle stage's unread batch
-            return batch
-        rows = (batch.tokens == self.tokens.to(batch.tokens.device)).all(dim=1)
-        if not bool(rows.any()):
+        if not _holds(batch, self.tokens):
             return batch
         self.hits += 1
         return MicroBatch(batch.tokens, batch.labels, torch.full_like(batch.loss_mask, torch.nan))
+
+
+class SpikySample(_Engine):
+    """A pass whose micro-batches hold the sample ``tokens`` has its loss and gradients
+    ``factor`` times larger on this rank, at every pass: a loss spike from the data."""
+
+    def __init__(self, inner: Any, tokens: torch.Tensor, factor: float) -> None:
+        super().__init__(inner)
+        self.tokens, self.factor = tokens, factor
+        self.hits = 0
+
+    def forward_backward(self, batches: list, loss_scale: float, **kwargs: Any) -> torch.Tensor:
+        if not any(_holds(b, self.tokens) for b in batches):
+            return self.inner.forward_backward(batches, loss_scale, **kwargs)
+        self.hits += 1
+        return self.inner.forward_backward(batches, loss_scale * self.factor,
+                                           **kwargs) * self.factor

@@ -1,14 +1,13 @@
 """--rerun-on-bad-step on 4 and 2 ranks: a transient fault (a NaN in one rank's local
 gradients, a spike in one rank's loss) is re-run, its rank named and nobody else, and the run
 goes on bitwise as a clean one; the same rank at fault --rerun-max-faults-per-rank times stops
-the run (exit 1, its checkpoint kept); a sample that always gives NaN is skipped, its sample
-ids logged and kept in the checkpoint, and a run resumed from before it reproduces bitwise;
-without faults the flag changes nothing."""
+the run (exit 1, its checkpoint kept); a sample that always gives NaN and one that always gives
+a loss spike are skipped, their sample ids logged and kept in the checkpoint, and a run resumed
+between them skips the second alike; without faults the flag changes nothing."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import socket
 
@@ -20,7 +19,7 @@ from megatron3d.checkpoint.reader import find
 from megatron3d.data.mock import MockGPTDataset
 from megatron3d.errors import TrainingError
 from megatron3d.training.build import Overrides
-from tests.helpers.bad_steps import NaNBeforeReduce, PoisonedSample, SpikeOnce
+from tests.helpers.bad_steps import NaNBeforeReduce, PoisonedSample, SpikeOnce, SpikySample
 from tests.helpers.dist import run_distributed
 from tests.helpers.log_lines import LogLines
 from tests.helpers.runs import build
@@ -38,11 +37,13 @@ def _run(argv: list[str], overrides: Overrides | None = None) -> dict:
     rerun_log = logging.getLogger("megatron3d.training.rerun")
     rerun_log.addHandler(lines)
     rerun_log.setLevel(logging.INFO)
-    seen: dict = {"losses": [], "skipped": [], "error": None}
+    seen: dict = {"losses": [], "skipped": [], "error": None, "after": {}}
 
-    def on_step(_: int, result) -> None:
+    def on_step(iteration: int, result) -> None:
         seen["losses"].append(result.loss.item())
         seen["skipped"].append(result.stats.skipped.item())
+        seen["after"][iteration] = [p.detach().clone()
+                                    for p in trainer.model.engine.stage.parameters()]
 
     trainer, state = build(argv, overrides, on_step=on_step)
     try:
@@ -135,53 +136,61 @@ def test_a_transient_fault_is_rerun_named_and_the_run_continues_bitwise(tmp_path
     assert (save / "latest").read_text().strip() == "3"
 
 
-# A sample of iteration 5 (samples 32-39), read by DP rank 0. Not iteration 4: a run resumed
-# at 2 whose second step is skipped at a save is refused by divergence.SkipWatch as one whose
-# every step after its first failed (--lr 1e30), with or without the flag.
-POISON = 35
-BAD_DATA = ("--rerun-on-bad-step", "--save-interval", "2")
+# Samples read at iterations 3 (16-23) and 5 (32-39) by DP ranks 0 and 1: one always gives a
+# NaN loss, the other a loss spike. The run resumed at 4 needs both the record of iteration 3
+# and the recent losses its spike is judged against from the checkpoint.
+NAN_SAMPLE, SPIKY_SAMPLE = 17, 38
+BAD_DATA = ("--rerun-on-bad-step", "--rerun-spike-window", "2", "--save-interval", "2")
+RECORD = [{"iteration": 3, "first_sample": 16, "samples": 8},
+          {"iteration": 5, "first_sample": 32, "samples": 8}]
 
 
-def _bad_sample(first: str, second: str) -> dict[str, dict]:
-    tokens = MockGPTDataset(203, 16, 1234).samples(POISON, 1)[0, :-1]
+def _bad_samples(first: str, second: str) -> dict[str, dict]:
+    data = MockGPTDataset(203, 16, 1234)
+    nan, spiky = (data.samples(i, 1)[0, :-1] for i in (NAN_SAMPLE, SPIKY_SAMPLE))
     argv = train_argv("gpt2", 6, *BAD_DATA)
     runs = {}
     for name, flags in (("whole", ("--save", first)),
-                        ("until 2", ("--save", second, "--exit-interval", "2")),
+                        ("until 4", ("--save", second, "--exit-interval", "4")),
                         ("resumed", ("--save", second, "--load", second))):
-        poisoned: list[PoisonedSample] = []
+        made: list[SpikySample] = []
 
-        def poison(engine, poisoned=poisoned) -> PoisonedSample:
-            poisoned.append(PoisonedSample(engine, tokens))
-            return poisoned[0]
+        def poison(engine, made=made) -> SpikySample:
+            made.append(SpikySample(PoisonedSample(engine, nan), spiky, 100.0))
+            return made[0]
 
         runs[name] = _run([*argv, *flags], Overrides(engine=poison))
-        runs[name]["hits"] = poisoned[0].hits
+        runs[name]["hits"] = (made[0].inner.hits, made[0].hits)
     return runs
 
 
-def test_a_sample_that_always_gives_nan_is_skipped_recorded_and_resumes_bitwise(tmp_path):
+def test_a_bad_sample_is_skipped_recorded_and_a_resumed_run_skips_it_alike(tmp_path):
     first, second = tmp_path / "whole", tmp_path / "resumed"
-    per_rank = run_distributed(_bad_sample, 2, str(first), str(second), timeout_s=180)
-    record = [{"iteration": 5, "first_sample": 32, "samples": 8}]
+    per_rank = run_distributed(_bad_samples, 2, str(first), str(second), timeout_s=180)
     for rank, runs in enumerate(per_rank):
         whole, resumed = runs["whole"], runs["resumed"]
-        assert whole["skipped"] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0], rank
-        assert whole["hits"] == (2 if rank == 0 else 0), rank  # the step and its re-run
-        assert whole["progress"]["consumed_samples"] == 48, rank  # the data moved past it
-        assert whole["progress"]["skipped_batches"] == record, rank
-        assert _bits(resumed["losses"]) == _bits(whole["losses"][2:]), rank
+        assert whole["skipped"] == [0.0, 0.0, 1.0, 0.0, 1.0, 0.0], rank
+        assert whole["hits"] == ((2, 0) if rank == 0 else (0, 2)), rank  # a step, its re-run
+        after = whole["after"]
+        for skipped in (3, 5):  # nothing applied: the spike's finite gradients neither
+            for mine, theirs in zip(after[skipped], after[skipped - 1], strict=True):
+                assert torch.equal(mine, theirs), (rank, skipped)
+        assert whole["progress"]["consumed_samples"] == 48, rank  # the data moved past them
+        assert whole["progress"]["skipped_batches"] == RECORD, rank
+        assert _bits(resumed["losses"]) == _bits(whole["losses"][4:]), rank
         assert resumed["progress"] == whole["progress"], rank
         for mine, theirs in zip(resumed["params"], whole["params"], strict=True):
             assert torch.equal(mine, theirs), rank
         assert _fault_lines(whole) == [], rank
-    data_line = ("rerun: iteration 5 gave the same result on its re-run (loss not finite, grad "
-                 "norm not finite): bad data; "
-                 "the batch is skipped (training samples 32-39, recorded in the checkpoint)")
-    assert per_rank[1]["whole"]["lines"].count(data_line) == 1
-    assert data_line not in per_rank[0]["whole"]["lines"]  # said once, by the logging rank
+    lines = per_rank[1]["whole"]["lines"]
+    for line in ("rerun: iteration 3 gave the same result on its re-run (loss not finite, grad "
+                 "norm not finite): bad data; the batch is skipped (training samples 16-23, "
+                 "recorded in the checkpoint)",
+                 "rerun: iteration 5 gave the same result on its re-run (loss spike: "):
+        assert sum(x.startswith(line) for x in lines) == 1, lines
+        assert not any(x.startswith(line) for x in per_rank[0]["whole"]["lines"])
+    assert "(training samples 32-39, recorded in the checkpoint)" in lines[-1]
     for directory in (first, second):
-        meta = json.loads((find(str(directory)) / "meta.json").read_text())
-        assert meta["skipped_batches"] == record and meta["iteration"] == 6
-    assert io.read_meta(find(str(second)))["recent_losses"] == per_rank[1]["whole"][
-        "progress"]["recent_losses"]
+        meta = io.read_meta(find(str(directory)))
+        assert meta["skipped_batches"] == RECORD and meta["iteration"] == 6
+        assert meta["recent_losses"] == per_rank[1]["whole"]["progress"]["recent_losses"]
