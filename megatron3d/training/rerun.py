@@ -268,6 +268,7 @@ class BadStepRerun:
         over = [r for r in named if self.faults[r] >= self.max_faults]
         if over:
             self.rng.set_state(before)  # the state saved is the one before this step
+            self.writer.flush()  # the run ends with an exception, not at its summary
             raise RankFaultLimitError(self._stop_line(over[0], iteration))
 
     def _stop_line(self, rank: int, iteration: int) -> str:
