@@ -194,3 +194,29 @@ def test_a_bad_sample_is_skipped_recorded_and_a_resumed_run_skips_it_alike(tmp_p
         meta = io.read_meta(find(str(directory)))
         assert meta["skipped_batches"] == RECORD and meta["iteration"] == 6
         assert meta["recent_losses"] == per_rank[1]["whole"]["progress"]["recent_losses"]
+
+
+def test_the_flag_costs_one_host_read_per_step(monkeypatch):
+    """Its documented cost: with no log line, evaluation or save in between, each step after
+    the first moves one tensor to the host (the agreed verdict), no more."""
+    from megatron3d import device as devices
+    from tests.helpers.host_sync import SYNCS
+
+    reads: list[str] = []
+    for name in SYNCS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, real=real, name=name, **kwargs):
+            reads.append(name)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    per_step: list[int] = []
+    devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
+    try:
+        trainer, _ = build(train_argv("gpt2", 4, "--rerun-on-bad-step", "--log-interval", "100"),
+                           on_step=lambda *_: per_step.append(len(reads)))
+        trainer.run()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert [b - a for a, b in zip(per_step[:-1], per_step[1:], strict=True)] == [1, 1, 1], reads
