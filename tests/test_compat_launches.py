@@ -52,6 +52,8 @@ CURRENT_MEGATRON_LM = {
     "--disable-straggler-on-startup": "notice",
     "--straggler-minmax-count 16": "notice",
     "--rerun-mode disabled": "notice",
+    "--rerun-mode validate_results": "alias",
+    "--rerun-mode report_stats": "refuse",
     "--data-args-path /data/blend.txt": "alias",
     "--decoupled-lr 5e-4": "refuse",
     "--calculate-per-token-loss": "refuse",

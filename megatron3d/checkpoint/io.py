@@ -268,7 +268,22 @@ def _wrong_fields(meta: dict[str, Any]) -> list[str]:
         wrong += [] if "model" in meta["config"] else ["config.model"]
     if not isinstance(meta.get("series", LEGACY_SERIES), str):  # optional: older checkpoints
         wrong.append("series")
-    return wrong
+    return wrong + [k for k, ok in _RERUN_FIELDS.items() if k in meta and not ok(meta[k])]
+
+
+def _skipped_batches(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(b, dict) and set(b) == {"iteration", "first_sample", "samples"}
+        and all(type(n) is int and n >= 0 for n in b.values()) for b in value)
+
+
+def _recent_losses(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        type(x) in (int, float) and math.isfinite(x) for x in value)
+
+
+# --rerun-on-bad-step's record (Progress): optional, older checkpoints lack it.
+_RERUN_FIELDS = {"skipped_batches": _skipped_batches, "recent_losses": _recent_losses}
 
 
 def _impossible_values(meta: dict[str, Any]) -> list[str]:

@@ -141,7 +141,8 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
         logger.info("the checkpoint (layout %s) holds no RNG states for this run's layout %s: "
                     "weights and optimizer state are resharded, dropout RNG streams start "
                     "fresh", meta["layout"], layout(cfg, state))
-    return (Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"]),
+    return (Progress(meta["iteration"], meta["consumed_samples"], meta["consumed_tokens"],
+                     list(meta.get("skipped_batches", [])), list(meta.get("recent_losses", []))),
             io.series_of(meta))
 
 

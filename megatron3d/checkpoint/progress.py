@@ -10,7 +10,7 @@ only its own series.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -18,6 +18,11 @@ class Progress:
     iteration: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0
+    # --rerun-on-bad-step's record, kept so that a resumed run judges its steps as the
+    # uninterrupted run did: the batches skipped as bad data ({"iteration", "first_sample",
+    # "samples"}) and the recent finite losses a spike is measured against.
+    skipped_batches: list[dict[str, int]] = field(default_factory=list)
+    recent_losses: list[float] = field(default_factory=list)
 
 
 def new_series() -> str:

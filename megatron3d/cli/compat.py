@@ -5,7 +5,8 @@ Megatron runs after at most one round of edits, and every answer is a deliberate
 ``translate`` rewrites a command line before argparse sees it: an alias becomes the flags it
 stands for, a harmless flag is dropped with a notice saying what happens instead, and a refused
 or unknown flag becomes a problem. All problems of a command line are reported together. The
-README's "Megatron flags" table is ``markdown_table()`` (a test keeps them equal).
+README's "Megatron flags" table is ``compat_table.markdown_table()`` (a test keeps them
+equal).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron3d.cli.line_rewrites import TOKENIZER_TYPES, deepspeed_stage_0, tokenizer_spelling
+from megatron3d.cli.line_rewrites import deepspeed_stage_0, tokenizer_spelling
 from megatron3d.cli.weighted_splits import data_path_words
 from megatron3d.errors import ConfigError
 
@@ -28,7 +29,8 @@ class CompatFlag:
     is refused and what to use. ``nargs``: values it takes. ``becomes``: an alias's flags,
     ``{}`` standing for its value. ``only``: a notice's harmless values; any other value is
     refused with ``text``. ``convert``: turns the value (a file) into the alias's values,
-    raising ConfigError when it cannot."""
+    raising ConfigError when it cannot. ``values``: a verdict of its own for each value (a
+    mode flag); any other value is refused with ``text``."""
 
     name: str
     action: Action
@@ -37,6 +39,7 @@ class CompatFlag:
     becomes: tuple[str, ...] = ()
     only: tuple[str, ...] = ()
     convert: Callable[[str], list[str]] | None = None
+    values: Mapping[str, CompatFlag] = field(default_factory=dict)
 
 
 def _alias(name: str, becomes: str, text: str = "", nargs: int = 0) -> CompatFlag:
@@ -53,6 +56,11 @@ def _notice(names: str, text: str, nargs: int = 0, only: str = "") -> list[Compa
 
 def _refuse(names: str, text: str, nargs: int = 0) -> list[CompatFlag]:
     return [CompatFlag(n, "refuse", text, nargs) for n in names.split()]
+
+
+def _by_value(name: str, values: Mapping[str, CompatFlag], other: str) -> CompatFlag:
+    """A flag taking a mode: each value in ``values`` has its verdict, any other is refused."""
+    return CompatFlag(name, "refuse", other, 1, values=values)
 
 
 _NO_FUSION = "megatron3d has no hand-fused kernels to switch (torch kernels, apex when found)"
@@ -188,9 +196,14 @@ TABLE: tuple[CompatFlag, ...] = (
              "Transformer Engine: each step runs eagerly"),
     *_notice("--cuda-graph-impl --high-priority-stream-groups", "no CUDA graphs or "
              "Transformer Engine: each step runs eagerly", nargs=1),
-    *_notice("--rerun-mode", "no rerun state machine (--check-for-nan-in-loss-and-grad "
-             "stops a run with non-finite values); only 'disabled' is supported", nargs=1,
-             only="disabled"),
+    _by_value("--rerun-mode", {
+        "validate_results": _alias("--rerun-mode", "--rerun-on-bad-step", "a bad step is "
+                                   "re-run once on the same ranks to tell bad data from a "
+                                   "faulty rank"),
+        "disabled": _notice("--rerun-mode", "no step is re-run unless --rerun-on-bad-step "
+                            "is given")[0]},
+        "megatron3d does not re-run every step to measure its determinism: use "
+        "validate_results (--rerun-on-bad-step) or drop the flag"),
     *_notice("--valid-num-workers", "batches are read in the training process from "
              "memory-mapped .bin files", nargs=1),
     *_notice("--deepspeed", "megatron3d runs its own data parallelism and ZeRO: give the stage "
@@ -279,6 +292,8 @@ def translate(argv: Sequence[str], known: Collection[str]) -> Translation:
         nargs = flag.nargs if flag else _unknown_nargs(args, i, eq)
         values = [inline] if eq else args[i:i + nargs]
         i += 0 if eq else len(values)
+        if flag is not None and flag.values and values:
+            flag = flag.values.get(values[0], flag)
         shown = f"{name}={values[0]}" if len(values) == 1 else " ".join([name, *values])
         if flag is None:
             out.problems.append((shown, _unknown(name, known)))
@@ -348,29 +363,3 @@ def _unknown(name: str, known: Collection[str]) -> str:
         return f"unknown flag, did you mean {close[0]}?"
     return ("not a megatron3d flag, nor a Megatron flag it knows (README: Megatron flags): "
             "not supported")
-
-
-def markdown_table() -> str:
-    """The README's table: every foreign flag and what megatron3d does with it."""
-    rows = ["| Megatron flag | megatron3d |", "| --- | --- |"]
-    verbs = {"alias": "same as", "notice": "accepted, ignored:", "refuse": "refused:"}
-    for flag in TABLE:
-        if flag.convert is not None:
-            rows.append(f"| `{flag.name} FILE` | read from the file as {flag.becomes[0]} "
-                        "W1 P1 W2 P2 (BigScience's one group of whole datasets, 0:1) |")
-            continue
-        value = " VALUE" if flag.nargs else ""
-        what = " ".join(flag.becomes) if flag.action == "alias" else ""
-        detail = "; ".join(x for x in (what, flag.text) if x)
-        only = f" (only {', '.join(flag.only)})" if flag.only else ""
-        rows.append(f"| `{flag.name}{value}`{only} | {verbs[flag.action]} {detail} |")
-    for name, spellings in VALUE_SPELLINGS.items():
-        pairs = ", ".join(f"`{a}` = `{b}`" for a, b in spellings.items())
-        rows.append(f"| `{name}` values | Megatron's spelling accepted: {pairs} |")
-    for name, refused in REFUSED_VALUES.items():
-        for value, why in refused.items():
-            rows.append(f"| `{name} {value}` | refused: {why} |")
-    pairs = ", ".join(f"`{a}` = `{b}`" for a, b in TOKENIZER_TYPES.items())
-    rows.append(f"| `--tokenizer-type` values | read with a notice: {pairs} (a "
-                "HuggingFaceTokenizer's `--tokenizer-model` is `--tokenizer-name-or-path`) |")
-    return "\n".join(rows)

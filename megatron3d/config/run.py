@@ -184,6 +184,22 @@ class ResilienceConfig:
     straggler_threshold: float = option(
         0.2, "How much slower than the median of its peers (the ranks of its pipeline stage) "
         "a rank must compute, as a fraction, to count as a straggler.", range=POSITIVE)
+    rerun_on_bad_step: bool = option(
+        False, "Re-run a bad step (non-finite loss or grad norm, or a loss spike) once with the "
+        "same data and RNG before the optimizer applies it: the same result skips the batch "
+        "as bad data (its sample ids logged and kept in the checkpoint); a different one names "
+        "the ranks at fault and goes on with the re-run. Costs one all-reduce and one host "
+        "sync per step.")
+    rerun_spike_factor: float = option(
+        3.0, "With --rerun-on-bad-step: a loss above this many times the mean of the last "
+        "--rerun-spike-window finite losses is a spike.", range=Range(1, low_open=True))
+    rerun_spike_window: int = option(
+        20, "With --rerun-on-bad-step: the losses a spike is measured against; no spike is "
+        "judged before that many steps; 0 checks no spikes.", range=Range(0, 2**20))
+    rerun_max_faults_per_rank: int = option(
+        2, "With --rerun-on-bad-step: stop the run (exit 1, after saving under --save) when "
+        "one rank caused this many transient faults, naming its node to exclude.",
+        range=Range(1, 2**32))
 
     def budget(self, phase: str) -> float:
         """Seconds the watchdog allows ``phase`` (index, load, first_step, save, eval or

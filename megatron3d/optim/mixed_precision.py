@@ -53,6 +53,16 @@ class StepStats:
     loss_scale: float
 
 
+@dataclass(frozen=True)
+class Measured:
+    """The accumulated gradients, unscaled and measured, before the step applies them."""
+
+    norm: torch.Tensor  # the global grad norm; NaN on every rank if any replica's was not finite
+    num_zeros: torch.Tensor | None
+    skip: torch.Tensor  # 1.0 if the norm is not finite (the step would be skipped), else 0.0
+    scale: float  # the loss scale the gradients were scaled by
+
+
 class MixedPrecisionOptimizer:
     def __init__(self, shard: ShardView, optim: OptimizerConfig, precision: PrecisionConfig,
                  norm_axes: list[AxisGroup],
@@ -217,17 +227,36 @@ class MixedPrecisionOptimizer:
     def step(self, lr: float) -> StepStats:
         """Unscale, measure, clip and apply the accumulated gradients at learning rate lr;
         skip the step on every rank if the global grad norm is not finite."""
-        grads = self.shard.grads
+        return self.apply(lr, self.measure())
+
+    def measure(self) -> Measured:
+        """Unscale the accumulated gradients and measure them (the global norm, agreed over
+        replicas): the first half of ``step``, after which a caller may still decide not to
+        ``apply`` (--rerun-on-bad-step judges the step in between)."""
         scale = self.loss_scale
         if scale != 1.0:
-            grads.mul_(1.0 / scale)
-        stats = grad_stats(self._counted, self.norm_axes, grads.device, self.count_zeros)
+            self.shard.grads.mul_(1.0 / scale)
+        stats = grad_stats(self._counted, self.norm_axes, self.shard.grads.device,
+                           self.count_zeros)
         skip, norm = self._nonfinite_anywhere(stats.norm)
+        return Measured(norm, stats.num_zeros, skip, scale)
+
+    def not_applied(self, measured: Measured) -> StepStats:
+        """The stats of a measured step that is not applied (counted as skipped); nothing
+        changes, the loss scale included."""
+        nan = self._zero if self.scaler is not None else measured.skip
+        return StepStats(measured.norm, measured.num_zeros, torch.ones_like(self._zero), nan,
+                         measured.scale)
+
+    def apply(self, lr: float, measured: Measured) -> StepStats:
+        """Clip and apply the gradients ``measure`` measured, at learning rate lr (skipped on
+        every rank if their norm is not finite)."""
+        grads, norm, skip, scale = self.shard.grads, measured.norm, measured.skip, measured.scale
         if self.scaler is not None:
             overflow = bool(skip)  # the one fp16 host sync per step
             self.scaler.update(overflow)
             if overflow:
-                return StepStats(norm, stats.num_zeros, skip, self._zero, scale)
+                return StepStats(norm, measured.num_zeros, skip, self._zero, scale)
         clip_(grads, self.clip_grad, norm)
         for group in self.inner.param_groups:
             group["lr"] = lr
@@ -239,7 +268,7 @@ class MixedPrecisionOptimizer:
                     self._master_part(piece.start, piece.end, piece.local))
         self.gather_params()
         nan = self._zero if self.scaler is not None else skip
-        return StepStats(norm, stats.num_zeros, skip, nan, scale)
+        return StepStats(norm, measured.num_zeros, skip, nan, scale)
 
 
 def _group_step(current: Any, step: torch.Tensor) -> Any:

@@ -49,6 +49,7 @@ from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.loop import Hooks, ModelParts, RunData, Saver, Trainer
 from megatron3d.training.preflight import check_same_config
 from megatron3d.training.reporting import Reporter
+from megatron3d.training.rerun import BadStepRerun
 from megatron3d.training.straggler import StragglerWatch, stage_peers
 from megatron3d.training.tensorboard import TensorBoardWriter
 from megatron3d.zero.factory import DataParallel, build_data_parallel
@@ -145,6 +146,11 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         cfg, state, params, optimizer, rng, lr_schedule, saver.series if saver else series))
     writer = TensorBoardWriter(cfg.logging.tensorboard_dir,
                                enabled=state.world_rank == logging_rank(state))
+    rerun = (BadStepRerun(cfg.resilience, engine, optimizer, model.grad_sync, state.dp,
+                          state.world, rng, writer,
+                          logs=state.world_rank == logging_rank(state), fp16=cfg.precision.fp16,
+                          seq_length=cfg.model.seq_length, save=cfg.checkpoint.save)
+             if cfg.resilience.rerun_on_bad_step else None)
     return Trainer(
         cfg=cfg, model=model, data=_run_data(data, cfg, state, dev, schedule),
         batch_schedule=schedule, lr_schedule=lr_schedule, total_iters=total_iters,
@@ -157,7 +163,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         stragglers=StragglerWatch(cfg.resilience.straggler_interval,
                                   cfg.resilience.straggler_threshold, state.world,
                                   stage_peers(state.world_size, state.pp.size), dev, writer),
-        hooks=given.hooks, local_save=local_save)
+        hooks=given.hooks, local_save=local_save, rerun=rerun)
 
 
 def _wrapped(wrap: Callable[[T], T] | None, part: T) -> T:

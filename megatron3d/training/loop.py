@@ -33,6 +33,7 @@ from megatron3d.training.evaluate import evaluate, format_eval_line, perplexity
 from megatron3d.training.exit_watch import ExitWatch
 from megatron3d.training.grad_sync import GradSync
 from megatron3d.training.reporting import Reporter
+from megatron3d.training.rerun import BadStepRerun, RankFaultLimitError
 from megatron3d.training.step import StepResult, check_grad_norm, train_step
 from megatron3d.training.straggler import StragglerWatch
 from megatron3d.zero.factory import DataParallel
@@ -135,6 +136,7 @@ class Trainer:
     stragglers: StragglerWatch  # names a rank whose compute is persistently slow
     hooks: Hooks = field(default_factory=Hooks)
     local_save: LocalSaver | None = None  # --non-persistent-save-interval
+    rerun: BadStepRerun | None = None  # --rerun-on-bad-step judges each step before it applies
     _last: _Outcome = field(init=False, default_factory=_Outcome)
 
     def run(self) -> Progress:
@@ -243,15 +245,28 @@ class Trainer:
         consumed = self.progress.consumed_samples
         gbs = self.batch_schedule.global_batch_size_at(consumed)
         lr = self.lr_schedule.lr_at(consumed)
-        model = self.model
-        result = train_step(model.engine, model.optimizer, self.data.train(consumed, gbs), lr,
-                            model.grad_sync, model.dp, self.stragglers.spans)
+        model, batches = self.model, self.data.train(consumed, gbs)
+        if self.rerun is None:
+            result = train_step(model.engine, model.optimizer, batches, lr, model.grad_sync,
+                                model.dp, self.stragglers.spans)
+        else:
+            result = self._judged_step(batches, lr, gbs)
         self.progress.iteration += 1
         if self.cfg.resilience.check_for_nan_in_loss_and_grad:
             check_grad_norm(result.stats, self.progress.iteration)
         self.progress.consumed_samples += gbs
         self.progress.consumed_tokens += gbs * self.cfg.model.seq_length
         return result, lr, gbs
+
+    def _judged_step(self, batches: list[MicroBatch], lr: float, gbs: int) -> StepResult:
+        """A step under --rerun-on-bad-step; a rank at its fault limit stops the run, and the
+        state before the step is saved first (with --save) so that nothing is lost."""
+        assert self.rerun is not None
+        try:
+            return self.rerun.step(batches, lr, gbs, self.progress, self.stragglers.spans)
+        except RankFaultLimitError:
+            self._save(final=True)
+            raise
 
     def _memory_report(self) -> None:
         model = self.model

@@ -1,5 +1,7 @@
 """One training step: the schedule's forward and backward passes, gradient reductions, then
-the optimizer; and the --check-for-nan-in-loss-and-grad stop after it."""
+the optimizer; and the --check-for-nan-in-loss-and-grad stop after it. ``compute_gradients``
+is the part before the optimizer, which --rerun-on-bad-step (``rerun.py``) judges and may
+run twice before it lets the optimizer apply it."""
 
 from __future__ import annotations
 
@@ -27,6 +29,15 @@ def train_step(engine: PipelineEngine, optimizer: MixedPrecisionOptimizer,
                dp: AxisGroup, spans: ComputeSpans | None = None) -> StepResult:
     """``spans`` times the forward and backward passes (the straggler watch's compute time),
     not the reductions waited for after them."""
+    loss = compute_gradients(engine, optimizer, batches, grad_sync, dp, spans)
+    return StepResult(loss=loss, stats=optimizer.step(lr))
+
+
+def compute_gradients(engine: PipelineEngine, optimizer: MixedPrecisionOptimizer,
+                      batches: list[Batch], grad_sync: GradSync, dp: AxisGroup,
+                      spans: ComputeSpans | None = None) -> torch.Tensor:
+    """Zero the gradients, run the forward and backward passes and every gradient reduction;
+    the global batch's loss (``average_over``), on the device."""
     optimizer.zero_grad()
     if spans is not None:
         spans.begin()
@@ -35,7 +46,7 @@ def train_step(engine: PipelineEngine, optimizer: MixedPrecisionOptimizer,
     if spans is not None:
         spans.end()
     grad_sync()
-    return StepResult(loss=average_over(loss, dp), stats=optimizer.step(lr))
+    return average_over(loss, dp)
 
 
 def average_over(loss: torch.Tensor, dp: AxisGroup) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The checks of the non-persistent (local or in-memory) checkpoint flags, kept apart from
-``validation.py`` (which is full): the interval and the type come together, and 'local'
+"""The checks of the non-persistent (local or in-memory) checkpoint flags, called by
+``validation.py``: the interval and the type come together, and 'local'
 names its directory, before any process starts."""
 
 from __future__ import annotations
