@@ -13,9 +13,12 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from megatron3d.resilience import node_exit
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm" / "cpu_tiny.slurm"
@@ -211,3 +214,20 @@ def test_bad_requeue_count_is_one_line(job: Job) -> None:
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == ("launch.sh: error: REQUEUE_ON_FAILURE is '-1': give a count "
                            "(0: never requeue a failure)\n")
+
+
+def test_a_launcher_records_its_node_only_when_its_workers_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tools/launch.py's line, as failed_nodes.sh reads it: ``TIME_US NODE CODE RANK``."""
+    monkeypatch.setenv(node_exit.NODE_EXIT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu042")
+    node_exit.record(0, "")
+    assert list(tmp_path.iterdir()) == []
+    node_exit.record(137, 5)
+    [path] = tmp_path.iterdir()
+    stamp, *rest = path.read_text().split()
+    assert rest == ["gpu042", "137", "5"] and path.name.startswith("gpu042.")
+    assert abs(int(stamp) / 1e6 - time.time()) < 60
+    monkeypatch.delenv(node_exit.NODE_EXIT_DIR_ENV)
+    node_exit.record(1, 0)  # outside the SLURM scripts: nothing written anywhere
+    assert len(list(tmp_path.iterdir())) == 1
