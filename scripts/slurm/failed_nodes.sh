@@ -28,7 +28,7 @@ FAILED_NODES_FILE="${FAILED_NODES_FILE:-$RUN_DIR/failed_nodes.txt}"
 REQUEUE_ON_FAILURE="${REQUEUE_ON_FAILURE:-2}"
 [[ $REQUEUE_ON_FAILURE =~ ^[0-9]+$ ]] \
   || die "REQUEUE_ON_FAILURE is '$REQUEUE_ON_FAILURE': give a count (0: never requeue a failure)"
-NODE_EXIT_DIR="$RUN_DIR/node_exits/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"
+NODE_EXIT_DIR="$CHECKPOINT_DIR/node_exits/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"
 
 # The iteration in CHECKPOINT_DIR/latest, or "none" before the first save.
 latest_iteration() {
@@ -120,7 +120,7 @@ requeue_job() {
 collect_node_exits() {
   mapfile -t NODE_EXITS < <(cat "$NODE_EXIT_DIR"/* 2>/dev/null | sort -n)
   rm -rf "$NODE_EXIT_DIR"
-  rmdir "$RUN_DIR/node_exits" 2>/dev/null || true
+  rmdir "$CHECKPOINT_DIR/node_exits" 2>/dev/null || true
 }
 
 # After a failed step that nobody stopped: record the node that failed first, then requeue

@@ -120,7 +120,7 @@ def test_the_node_that_failed_first_is_recorded_and_the_job_requeued(job: Job) -
     assert "node gpu002 failed first (exit 137, rank 5)" in done.stdout
     assert "requeueing job 12345" in done.stdout
     assert job.calls()[-1] == "scontrol requeue 12345"
-    assert not (job.run_dir / "node_exits").exists()
+    assert not (job.run_dir / "checkpoints" / "node_exits").exists()
 
 
 def test_a_node_that_failed_twice_is_excluded_on_resubmission(job: Job) -> None:
@@ -192,7 +192,7 @@ def test_sigterm_is_no_failure(job: Job) -> None:
     done = job.run(records("1700000000000100 gpu001 1 0", code=143).replace(
         "exit 143", "kill -TERM $PPID; sleep 0.3; exit 143"))
     assert done.returncode == 143 and "SIGTERM" in done.stdout, done.stdout + done.stderr
-    assert not job.failed.exists() and not (job.run_dir / "node_exits").exists()
+    assert not job.failed.exists() and not (job.run_dir / "checkpoints" / "node_exits").exists()
     assert [call for call in job.calls() if "hostnames" not in call] == []
 
 
