@@ -416,8 +416,11 @@ def test_a_killed_worker_fails_the_step_and_its_node_is_recorded(slurm: Cluster,
     job_id = slurm.submit(ckpt, NEVER, 4, MAX_RESTARTS="0", REQUEUE_ON_FAILURE="1",
                           FAILED_NODES_FILE=str(failed))
     slurm.wait_for_log(job_id, lambda runs: runs and _iterations(runs[0]))
-    _kill_workers(ckpt)
-    slurm.wait_for_log(job_id, lambda runs: "requeueing job" in runs[0])
+    killed = _kill_workers(ckpt)
+    slurm.slurm.wait_until(lambda: "requeueing job" in slurm.log(job_id), JOB_TIMEOUT_S,
+                           f"job {job_id} to requeue after killing {killed}",
+                           lambda: "\n".join(ln for ln in slurm.log(job_id).splitlines()
+                                             if "iteration " not in ln))
     slurm.scancel(str(job_id))  # requeued: cancelled before its next run starts
     slurm.wait_done(job_id)
     first = slurm.runs(job_id)[0]
