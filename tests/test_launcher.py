@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pretrain_gpt
+from megatron3d.resilience.node_exit import NODE_EXIT_DIR_ENV
 from megatron3d.tools import reshape
 from tests.checkpoint.test_bad_checkpoints import _tree
 from tests.helpers.tiny import train_argv
@@ -39,7 +40,10 @@ def test_the_job_exits_with_the_ranks_code_and_one_line(tmp_path):
     damaged = root / "iter_0000003" / "rank_00001.pt"
     damaged.write_bytes(damaged.read_bytes()[:100])
     before = _tree(root)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    exits = tmp_path / "node_exits"  # what the SLURM scripts read to name a failed node
+    exits.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           NODE_EXIT_DIR_ENV: str(exits), "SLURMD_NODENAME": "node7"}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"),
@@ -54,3 +58,5 @@ def test_the_job_exits_with_the_ranks_code_and_one_line(tmp_path):
     assert done.stderr == errors[0] + "\n", done.stderr[-3000:]
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
     assert _tree(root) == before and not (root / "hang").exists()
+    [record] = [path.read_text().split() for path in exits.iterdir()]
+    assert record[1:] == ["node7", "2", "1"] and record[0].isdigit(), record

@@ -190,8 +190,8 @@ def test_dry_run_without_slurm_configuration(bins: dict[str, Path], tmp_path: Pa
     if kind == "working-scontrol":
         names = [f"scontrol-{name}" for name in names]
     scratch = tmp_path / "scratch"
-    (layout, hosts, outputs), argv = render(bins[kind], script, nodelist, nodes,
-                                            SCRATCH=str(scratch), HOME=str(tmp_path))
+    (layout, hosts, outputs, failures), argv = render(bins[kind], script, nodelist, nodes,
+                                                      SCRATCH=str(scratch), HOME=str(tmp_path))
     flags = training_flags(argv)
     gpus = int(value(argv, "--nproc-per-node"))
     tp = int(value(flags, "--tensor-model-parallel-size"))
@@ -211,6 +211,8 @@ def test_dry_run_without_slurm_configuration(bins: dict[str, Path], tmp_path: Pa
         written += [value(flags, "--data-cache-path"), value(flags, "--tensorboard-dir")]
         assert not Path(value(flags, "--data-path")).is_relative_to(REPO)
     assert all(path in outputs for path in written), outputs
+    assert failures.startswith("on failure: up to 3 in-job restart(s)") and failures.endswith(
+        f"failed nodes in {run_dir / 'failed_nodes.txt'}"), failures
     assert not any(Path(path).is_relative_to(REPO) for path in written), written
 
 
@@ -228,6 +230,8 @@ def test_four_node_command(bins: dict[str, Path], tmp_path: Path) -> None:
     assert value(cmd, "--nproc-per-node") == "8"
     assert value(cmd, "--rdzv-backend") == "c10d"
     assert value(cmd, "--rdzv-id") == "12345"
+    # A failed worker restarts every worker of the job in place (c10d across the nodes).
+    assert value(cmd, "--max-restarts") == "3" and float(value(cmd, "--monitor-interval")) <= 1
     flags = training_flags(cmd)
     assert value(flags, "--zero-stage") == "1"
     # Without $SCRATCH, outputs go to ~/scratch; each directory can be moved on its own.
@@ -236,8 +240,9 @@ def test_four_node_command(bins: dict[str, Path], tmp_path: Path) -> None:
     # The same command on every node: c10d rendezvous numbers the nodes, not SLURM_NODEID.
     assert render(path, script, "gpu[001-004]", 4, HOME=str(tmp_path), SLURM_NODEID="0")[1] == argv
     _, moved = render(path, script, "gpu[001-004]", 4, HOME=str(tmp_path), MASTER_PORT="29500",
-                      OUTPUT_ROOT="/o", RUN_DIR="/r", TENSORBOARD_DIR="/tb")
+                      OUTPUT_ROOT="/o", RUN_DIR="/r", TENSORBOARD_DIR="/tb", MAX_RESTARTS="0")
     assert value(moved, "--rdzv-endpoint") == "gpu001:29500"
+    assert value(moved, "--max-restarts") == "0"
     assert [value(moved, f) for f in ("--save", "--tensorboard-dir", "--data-cache-path")] \
         == ["/r/checkpoints", "/tb", "/o/index-cache"]
 
@@ -274,6 +279,7 @@ def test_hostlist_expansion(bins: dict[str, Path], tmp_path: Path, nodelist: str
     ("gpu1", 1, "GPUS_PER_NODE=3", "world size 3 (1 node(s) x 3) is not divisible by TP 1 x PP 2"),
     ("gpu1", 1, "TRAIN_ARGS+=(--tensor-model-parallel-size=0)",
      "--tensor-model-parallel-size is '0': give a positive integer"),
+    ("gpu1", 1, "MAX_RESTARTS=two", "MAX_RESTARTS is 'two': give torchrun's restart count"),
 ])
 def test_bad_allocation_is_one_line(bins: dict[str, Path], tmp_path: Path, nodelist: str,
                                     nodes: int, hook: str, message: str) -> None:

@@ -9,7 +9,8 @@ failing rank records its ``error:`` line and exit code (``resilience/exit_record
 of printing it. When the ranks are done, the earliest record's line is printed once and its
 code is this process's exit code: 2 bad input, 3 a hang, 1 a run gone wrong. A rank that
 failed without a record (a traceback, a signal) is named in one ``launch:`` line, with
-torchrun's code for it (128 + N for signal N). One launcher per node, as torchrun.
+torchrun's code for it (128 + N for signal N). One launcher per node, as torchrun. Under
+the SLURM scripts a launcher whose ranks failed also notes its node (``resilience/node_exit``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from megatron3d.resilience import node_exit
 from megatron3d.resilience.exit_record import EXIT_DIR_ENV, first_failure
 
 
@@ -43,18 +46,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             del os.environ[EXIT_DIR_ENV]
         first = first_failure(Path(records))
+    code, rank = _outcome(first, failed)
+    node_exit.record(code, rank)
+    return code
+
+
+def _outcome(first: dict[str, Any] | None, failed: ChildFailedError | None) -> tuple[int, str]:
+    """The exit code and the first failing rank, with that rank's one line printed."""
     if first is not None:
         sys.stderr.write(first["line"] + "\n")
-        return int(first["code"])
+        return int(first["code"]), str(first["rank"])
     if failed is None:
-        return 0
+        return 0, ""
     rank, failure = failed.get_first_failure()
     if failure.exitcode < 0:
         sys.stderr.write(f"launch: rank {rank} was killed by signal {-failure.exitcode}\n")
-        return 128 - failure.exitcode
+        return 128 - failure.exitcode, str(rank)
     sys.stderr.write(f"launch: rank {rank} exited with code {failure.exitcode} without an "
                      "error line; its output above says why\n")
-    return failure.exitcode
+    return failure.exitcode, str(rank)
 
 
 def _quiet_torchrun() -> None:

@@ -26,6 +26,16 @@
 #   MASTER_PORT        rendezvous port (default: 20000 + job id % 10000, so that two jobs
 #                      sharing a first node do not collide)
 #   REQUEUE_ON_SIGNAL  1 (default): after a SIGUSR1-triggered save, requeue the job; 0: stop
+#   MAX_RESTARTS       torchrun's --max-restarts (default 3): a worker that fails (a crash, a
+#                      hang's exit 3, a lost peer) restarts every worker of the job, on every
+#                      node, within seconds, and they resume from the newest checkpoint; after
+#                      MAX_RESTARTS restarts the step fails. torchrun checks its workers every
+#                      --monitor-interval 0.5 s.
+#   REQUEUE_ON_FAILURE after a failed step, requeue the job while fewer failed runs than this
+#                      (default 2) came in a row without a newer checkpoint; 0: never
+#   FAILED_NODES_FILE  the failed-node list (default RUN_DIR/failed_nodes.txt): the node that
+#                      failed first is added after each failed step; a node listed twice is
+#                      excluded when the job requeues itself (see failed_nodes.sh)
 #   LAUNCH_DRY_RUN     1: make pretrain_gpt.py's start-up checks for this world size (python
 #                      --print-topology: flags, data and checkpoint paths; exit 2 with its
 #                      one line), then print the layout, the outputs and the srun command
@@ -55,7 +65,9 @@
 # `scancel --signal=USR1 JOBID` (steps only) saves and stops, and the job ends COMPLETED.
 # Preemption and `scancel JOBID` send SIGTERM to every process: torchrun forwards it to the
 # workers, which save after their next step, and kills them after 30 s (its shutdown
-# timeout); Slurm kills everything after KillWait. A preempted job with --requeue is requeued
+# timeout); Slurm kills everything after KillWait. Neither is a failure: no in-job restart,
+# no node recorded. Workers that torchrun restarts after a failure inherit the ignored
+# SIGUSR1 as the first ones did, so a warning during a restart is repeated until they take it. A preempted job with --requeue is requeued
 # by Slurm itself. (Where the site sets SlurmctldParameters=preempt_send_user_signal and a
 # GraceTime, preemption sends the --signal first, and the path above saves.)
 set -euo pipefail
@@ -135,6 +147,7 @@ MEGATRON3D_DIR="${MEGATRON3D_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 # --- Signals first: a warning that arrives while the job starts up must not be lost. ---------
 STOP_REQUESTED=0
 INTERRUPTED=0
+TERMINATED=0
 RESENDER_PID=
 # shellcheck disable=SC2317  # the handlers run from `trap`, which shellcheck cannot see
 on_usr1() {
@@ -151,6 +164,7 @@ on_usr1() {
 # shellcheck disable=SC2317
 on_term() {
   INTERRUPTED=1
+  TERMINATED=1
   echo "launch.sh: SIGTERM: the workers save after their next step if time allows"
 }
 trap on_usr1 USR1
@@ -179,6 +193,10 @@ WORLD_SIZE=$((SLURM_NNODES * GPUS_PER_NODE))
          "by TP $TP_SIZE x PP $PP_SIZE: change --nodes, GPUS_PER_NODE or the layout flags"
 DP_SIZE=$((WORLD_SIZE / (TP_SIZE * PP_SIZE)))
 
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+[[ $MAX_RESTARTS =~ ^[0-9]+$ ]] \
+  || die "MAX_RESTARTS is '$MAX_RESTARTS': give torchrun's restart count (0: no in-job restart)"
+
 # --- Outputs: outside the repository, on a file system every node sees. ---------------------
 OUTPUT_ROOT="${OUTPUT_ROOT:-${SCRATCH:-$HOME/scratch}/megatron3d}"
 RUN_DIR="${RUN_DIR:-$OUTPUT_ROOT/${SLURM_JOB_NAME:-job$SLURM_JOB_ID}}"
@@ -199,6 +217,9 @@ if [ -n "$(flag_value --data-path "")$(flag_value --data-path-file "")" ]; then
   OUTPUT_ARGS+=(--data-cache-path "$DATA_CACHE_DIR")
   OUTPUTS+=", index caches $DATA_CACHE_DIR"
 fi
+
+# shellcheck source=scripts/slurm/failed_nodes.sh
+source "$MEGATRON3D_DIR/scripts/slurm/failed_nodes.sh"
 
 # --- Environment of every worker (srun passes the batch shell's environment to each node). --
 # Workers use one OpenMP thread each (torchrun's default too): GPUs do the math, and more
@@ -224,6 +245,8 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # Log lines reach the job's log as they are printed, and fatal signals print a Python stack.
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1
+# Where each node's launcher notes that its workers failed (failed_nodes.sh reads it).
+export MEGATRON3D_NODE_EXIT_DIR="$NODE_EXIT_DIR"
 # Slurm 22.05+ no longer passes the job's --cpus-per-task to srun: the task on each node runs
 # every worker of the node, so give it all the CPUs the job has there.
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
@@ -251,6 +274,10 @@ MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
 # tools/launch.py is torchrun (same options) whose exit code is the first failing rank's
 # (2 bad input, 3 a hang, 1 a run gone wrong; torchrun alone exits 1) and which prints that
 # rank's error line once; the job script exits with it (`exit "$STEP_RC"` below).
+# --max-restarts: a failed worker makes its node's torchrun stop its workers and rendezvous
+# again; the other nodes' torchruns see a node waiting and restart theirs (each node counts
+# the restarts its own workers' failures caused). The c10d store lives in the first node's
+# torchrun, so the rendezvous survives a restart as long as that torchrun does.
 TORCHRUN=(
   python3 "$MEGATRON3D_DIR/tools/launch.py"
   --nnodes "$SLURM_NNODES"
@@ -258,6 +285,8 @@ TORCHRUN=(
   --rdzv-backend c10d
   --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
   --rdzv-id "$SLURM_JOB_ID"
+  --max-restarts "$MAX_RESTARTS"
+  --monitor-interval 0.5
   "$MEGATRON3D_DIR/pretrain_gpt.py"
   "${TRAIN_ARGS[@]}"
   "${OUTPUT_ARGS[@]}"
@@ -283,6 +312,8 @@ describe() {
     "x $GPUS_PER_NODE workers = world $WORLD_SIZE = TP $TP_SIZE x PP $PP_SIZE x DP $DP_SIZE"
   echo "${prefix}nodes ${NODES[*]}; rendezvous $MASTER_ADDR:$MASTER_PORT"
   echo "${prefix}outputs: $OUTPUTS"
+  echo "${prefix}on failure: up to $MAX_RESTARTS in-job restart(s), then requeue up to" \
+    "$REQUEUE_ON_FAILURE time(s) without a newer checkpoint; failed nodes in $FAILED_NODES_FILE"
 }
 
 VENV="${VENV:-$MEGATRON3D_DIR/.venv}"
@@ -316,7 +347,7 @@ if [ "$IN_CONTAINER" = 0 ]; then
   python3 -c "import torch.distributed.run" 2>/dev/null \
     || die "python3 cannot import torch: activate an environment with torch (VENV, SETUP_HOOK)"
 fi
-mkdir -p "$HANG_DIR"
+mkdir -p "$HANG_DIR" "$NODE_EXIT_DIR"
 
 describe "launch.sh: "
 printf 'launch.sh: '
@@ -339,8 +370,12 @@ if [ -n "$RESENDER_PID" ]; then
 fi
 echo "launch.sh: training step exited with code $STEP_RC"
 
-if [ "$STOP_REQUESTED" = 1 ] && [ "$STEP_RC" = 0 ] && [ "${REQUEUE_ON_SIGNAL:-1}" = 1 ]; then
-  echo "launch.sh: checkpoint saved; requeueing job $SLURM_JOB_ID to resume from it"
-  scontrol requeue "$SLURM_JOB_ID"
+collect_node_exits
+if [ "$STEP_RC" = 0 ]; then
+  if [ "$STOP_REQUESTED" = 1 ] && [ "${REQUEUE_ON_SIGNAL:-1}" = 1 ]; then
+    requeue_job "checkpoint saved"
+  fi
+elif [ "$TERMINATED" = 0 ]; then
+  after_failure  # SIGTERM (scancel, preemption) is no failure: Slurm ends or requeues the job
 fi
 exit "$STEP_RC"

@@ -252,12 +252,12 @@ class Cluster:
         (self.submit_dir / "logs").mkdir(parents=True)  # sbatch does not create it
 
     def submit(self, checkpoint_dir: Path, train_iters: int, save_interval: int,
-               *sbatch_args: str) -> int:
+               *sbatch_args: str, **job_env: str) -> int:
         env = {k: v for k, v in self.slurm.env.items() if not k.startswith("SLURM_")}
         env.update(SLURM_CONF=str(self.slurm.conf), MEGATRON3D_DIR=str(REPO), VENV=sys.prefix,
                    PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
                    CHECKPOINT_DIR=str(checkpoint_dir), TRAIN_ITERS=str(train_iters),
-                   SAVE_INTERVAL=str(save_interval))
+                   SAVE_INTERVAL=str(save_interval), **job_env)
         done = self.slurm.client("sbatch", "--parsable", *sbatch_args, str(SCRIPT),
                                  cwd=self.submit_dir, env=env)
         assert done.returncode == 0, done.stderr
@@ -383,3 +383,52 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm: Cluster, tmp_path:
     loaded = LOADED.search(second)
     assert loaded and loaded[2] == stopped[1], second[-3000:]
     _assert_no_workers_left(tmp_path)
+
+
+def _kill_workers(checkpoint_dir: Path) -> list[int]:
+    """SIGKILL every training process of the job (not its launcher), as a node losing its
+    devices would; their PIDs. (One killed alone leaves its peers to torchrun's 30 s shutdown
+    grace, waiting for it in a collective.)"""
+    killed = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if (proc.name.isdigit() and str(REPO / "pretrain_gpt.py") in argv[1:3]
+                and str(checkpoint_dir) in argv):  # `python [-u] pretrain_gpt.py`
+            os.kill(int(proc.name), signal.SIGKILL)
+            killed.append(int(proc.name))
+    assert killed, "no worker of the job to kill"
+    return killed
+
+
+def test_a_killed_worker_fails_the_step_and_its_node_is_recorded(slurm: Cluster,
+                                                                 tmp_path: Path) -> None:
+    """SIGKILLed workers once torchrun has no restarts left (MAX_RESTARTS=0 here): the
+    node's launcher names it, launch.sh adds it to the failed-node list (here its second
+    line: to be excluded) and the job requeues. This Slurm has one node, so sbatch refuses the
+    resubmission excluding it and the job is requeued as it is (test_failed_nodes.py checks
+    the resubmission's options)."""
+    failed = tmp_path / "failed_nodes.txt"
+    failed.write_text("localhost\n")  # failed once before (by hand: any line counts)
+    ckpt = tmp_path / "ckpt"
+    job_id = slurm.submit(ckpt, NEVER, 4, MAX_RESTARTS="0", REQUEUE_ON_FAILURE="1",
+                          FAILED_NODES_FILE=str(failed))
+    slurm.wait_for_log(job_id, lambda runs: runs and _iterations(runs[0]))
+    killed = _kill_workers(ckpt)
+    slurm.slurm.wait_until(lambda: "requeueing job" in slurm.log(job_id), JOB_TIMEOUT_S,
+                           f"job {job_id} to requeue after killing {killed}",
+                           lambda: "\n".join(ln for ln in slurm.log(job_id).splitlines()
+                                             if "iteration " not in ln))
+    slurm.scancel(str(job_id))  # requeued: cancelled before its next run starts
+    slurm.wait_done(job_id)
+    first = slurm.runs(job_id)[0]
+    assert re.search(r"node localhost failed first \(exit 137, rank \d\)", first), first[-3000:]
+    assert "failed twice, but submitting the job again with --exclude failed" in first
+    assert "requeueing job" in first and slurm.job(job_id)["Restarts"] == "1"
+    lines = failed.read_text().splitlines()
+    assert len(lines) == 2 and lines[0] == "localhost", lines
+    assert lines[1].startswith(f"localhost job={job_id}.0 code=137 rank="), lines
+    assert not (ckpt / "node_exits").exists()
+    _assert_no_workers_left(ckpt)
