@@ -44,6 +44,7 @@ from megatron3d.mpu.topology import Topology
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.pipeline.interleaved import interleaving_conflicts
+from megatron3d.validation_local import check_non_persistent
 
 T = TypeVar("T")
 
@@ -75,6 +76,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_checkpoint(cfg.checkpoint, cfg.lr_schedule.override_opt_param_scheduler,
                       cfg.lr_schedule.use_checkpoint_opt_param_scheduler,
                       cfg.training.skip_train)
+    check_non_persistent(cfg.checkpoint)
     _check_zero(cfg)
     _check_watchdog(cfg)
 

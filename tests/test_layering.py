@@ -37,7 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     # validation asks the owners of rules: the rank grid, the batch and learning-rate
     # schedules, the data split and tokenizer, the pipeline schedules and the partitioner (on
     # the model's layer list).
-    "validation": {"config", "errors", "data", "mpu", "optim", "pipeline", "model"},
+    "validation": {"config", "errors", "data", "mpu", "optim", "pipeline", "model",
+                   "validation_local"},
+    "validation_local": {"config", "errors"},  # the local-checkpoint flags' checks
     # the command line: Megatron's flags (compat), argparse and YAML (arguments), the tools'
     # shared front end (common)
     "cli": {"config", "errors"},

@@ -240,8 +240,15 @@ BY_NAME: Mapping[str, CompatFlag] = {flag.name: flag for flag in TABLE}
 
 VALUE_SPELLINGS: Mapping[str, Mapping[str, str]] = {
     "--normalization": {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"},
+    "--non-persistent-ckpt-type": {"in_memory": "memory"},
 }
 """Megatron's spelling of values of flags megatron3d shares, taken silently."""
+
+REFUSED_VALUES: Mapping[str, Mapping[str, str]] = {
+    "--non-persistent-ckpt-type": {
+        "global": "the global checkpoints are --save's: use --save-interval N instead"},
+}
+"""Values of flags megatron3d shares that it refuses, with the replacement."""
 
 
 @dataclass
@@ -263,6 +270,9 @@ def translate(argv: Sequence[str], known: Collection[str]) -> Translation:
         name, eq, inline = word.partition("=")
         i += 1
         if not word.startswith("--") or name in known:
+            refused = _refused_value(out.argv, word)
+            if refused is not None:
+                out.problems.append(refused)
             out.argv.append(_respell(out.argv, word))
             continue
         flag = BY_NAME.get(name)
@@ -312,6 +322,14 @@ def _respell(previous: list[str], word: str) -> str:
     return spellings.get(word, word)
 
 
+def _refused_value(previous: list[str], word: str) -> tuple[str, str] | None:
+    """(the flag and value as given, why) when ``word`` gives a refused value."""
+    flag_name, eq, inline = word.partition("=")
+    name, value = (flag_name, inline) if eq else (previous[-1] if previous else "", word)
+    why = REFUSED_VALUES.get(name, {}).get(value)
+    return None if why is None else (f"{name} {value}", why)
+
+
 def _unknown_nargs(args: list[str], start: int, inline: str) -> int:
     """An unknown flag's values: the words up to the next flag (none after ``--x=v``)."""
     if inline:
@@ -349,6 +367,9 @@ def markdown_table() -> str:
     for name, spellings in VALUE_SPELLINGS.items():
         pairs = ", ".join(f"`{a}` = `{b}`" for a, b in spellings.items())
         rows.append(f"| `{name}` values | Megatron's spelling accepted: {pairs} |")
+    for name, refused in REFUSED_VALUES.items():
+        for value, why in refused.items():
+            rows.append(f"| `{name} {value}` | refused: {why} |")
     pairs = ", ".join(f"`{a}` = `{b}`" for a, b in TOKENIZER_TYPES.items())
     rows.append(f"| `--tokenizer-type` values | read with a notice: {pairs} (a "
                 "HuggingFaceTokenizer's `--tokenizer-model` is `--tokenizer-name-or-path`) |")

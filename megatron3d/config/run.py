@@ -110,6 +110,18 @@ class CheckpointConfig:
         "requeued).")
     exit_on_missing_checkpoint: bool = option(
         False, "Fail when --load holds no checkpoint, instead of starting from scratch.")
+    non_persistent_save_interval: int | None = option(
+        None, "Keep each rank's state every N iterations in host memory or a node-local "
+        "directory (--non-persistent-ckpt-type), replicated to a peer rank on another node; "
+        "a restarted job resumes from the newest complete one when it is newer than --load's.",
+        range=ITERATIONS)
+    non_persistent_ckpt_type: Literal["local", "memory"] | None = option(
+        None, "Where --non-persistent-save-interval keeps the states: 'memory' in /dev/shm "
+        "(host memory that survives a worker restart, not the node), 'local' in "
+        "--non-persistent-local-ckpt-dir (Megatron's 'in_memory' is read as 'memory').")
+    non_persistent_local_ckpt_dir: str | None = option(
+        None, "Root of the node-local store of --non-persistent-ckpt-type (required for "
+        "'local'; default /dev/shm for 'memory'); removed at the normal end of a run.")
 
 
 @dataclass(frozen=True, kw_only=True)

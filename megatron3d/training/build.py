@@ -22,6 +22,7 @@ from megatron3d.accounting.fit import format_phases, layout_memory
 from megatron3d.accounting.model_size import ModelSize, format_padded_vocab, model_size
 from megatron3d.checkpoint import loading
 from megatron3d.checkpoint import saving as checkpoint
+from megatron3d.checkpoint.local.setup import LocalCheckpoints, open_local
 from megatron3d.checkpoint.progress import Progress, new_series
 from megatron3d.checkpoint.reader import find
 from megatron3d.config import TrainConfig
@@ -74,6 +75,7 @@ class Overrides:
     grad_sync: Callable[[GradSync], GradSync] | None = None
     check_replicas: Callable[[Callable[[], None]], Callable[[], None]] | None = None
     save: Callable[[Saver | None], Saver | None] | None = None
+    local: Callable[[LocalCheckpoints], LocalCheckpoints] | None = None  # under the flags
 
 
 def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
@@ -99,6 +101,10 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     # zero, equal on all copies for the replica checks until it does. The stage is built on
     # the meta device; the ZeRO stage allocates its storage and draws this rank's share.
     directory = find(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    local = open_local(cfg, state)  # a newer local state replaces --load's (every rank)
+    if local is not None:
+        local = _wrapped(given.local, local)
+        directory = local.restore(directory)
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel,
@@ -125,7 +131,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     optimizer = build_optimizer(cfg, state, data_parallel, params)
     with heartbeat.allowance("checkpoint load"):
         progress, series = _resume(cfg, state, params, optimizer, rng, directory)
-    if cfg.checkpoint.load:  # copies must agree after loading as they did at start
+    if directory is not None:  # copies must agree after loading as they did at start
         check_copies()
     logger.info("model: %s parameters on this rank, %s unique parameters in total (all stages "
                 "and TP shards, a tied embedding once)", f"{sum(p.numel() for p in params):,}",
@@ -135,6 +141,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                        _wrapped(given.check_replicas, check_replicas), state.dp)
     saver = (checkpoint.Saver(cfg, state, params, optimizer, rng, lr_schedule, series)
              if cfg.checkpoint.save else None)
+    local_save = (None if local is None else local.saver(
+        cfg, state, params, optimizer, rng, lr_schedule, saver.series if saver else series))
     writer = TensorBoardWriter(cfg.logging.tensorboard_dir,
                                enabled=state.world_rank == logging_rank(state))
     return Trainer(
@@ -149,7 +157,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         stragglers=StragglerWatch(cfg.resilience.straggler_interval,
                                   cfg.resilience.straggler_threshold, state.world,
                                   stage_peers(state.world_size, state.pp.size), dev, writer),
-        hooks=given.hooks)
+        hooks=given.hooks, local_save=local_save)
 
 
 def _wrapped(wrap: Callable[[T], T] | None, part: T) -> T:

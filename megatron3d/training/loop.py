@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from megatron3d.accounting import memory
+from megatron3d.checkpoint.local.saver import LocalSaver
 from megatron3d.checkpoint.progress import Progress
 from megatron3d.config import TrainConfig
 from megatron3d.data.sampler import MicroBatch
@@ -133,6 +134,7 @@ class Trainer:
     skips: SkipWatch  # stops a run whose steps are all skipped (divergence.py)
     stragglers: StragglerWatch  # names a rank whose compute is persistently slow
     hooks: Hooks = field(default_factory=Hooks)
+    local_save: LocalSaver | None = None  # --non-persistent-save-interval
     _last: _Outcome = field(init=False, default_factory=_Outcome)
 
     def run(self) -> Progress:
@@ -154,6 +156,8 @@ class Trainer:
                 self._final_evaluation()
         logger.info(self._last.summary(self.progress, reason))
         self.reporter.writer.flush()
+        if self.local_save is not None:  # a normal end: nothing to restart from
+            self.local_save.finish()
         return self.progress
 
     def _train(self) -> str:
@@ -219,6 +223,10 @@ class Trainer:
         save_every = self.cfg.checkpoint.save_interval
         if save_every and it % save_every == 0:
             self._save()
+        local_every = self.cfg.checkpoint.non_persistent_save_interval
+        if self.local_save is not None and local_every and it % local_every == 0:
+            with self.hooks.heartbeat.allowance("checkpoint save"):
+                self.local_save(self.progress)
 
     def _save(self, final: bool = False) -> None:
         """Save at this iteration; the final save returns only once it is published (an

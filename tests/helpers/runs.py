@@ -48,7 +48,8 @@ def build(argv: list[str], overrides: Overrides | None = None, *,
     return build_trainer(cfg, state, rank_device(), overrides=given), state
 
 
-def train(argv: list[str], *, directed_links: bool | None = None) -> RunResult:
+def train(argv: list[str], *, directed_links: bool | None = None,
+          overrides: Overrides | None = None) -> RunResult:
     """Train with ``argv`` on the already-initialised process group (all ranks call this)."""
     losses, norms = [], []
 
@@ -56,7 +57,7 @@ def train(argv: list[str], *, directed_links: bool | None = None) -> RunResult:
         losses.append(result.loss)
         norms.append(result.stats.grad_norm)
 
-    trainer, state = build(argv, directed_links=directed_links, on_step=record)
+    trainer, state = build(argv, overrides, directed_links=directed_links, on_step=record)
     trainer.run()
     params = {}
 

@@ -1,0 +1,134 @@
+"""Non-persistent saves (``--non-persistent-save-interval``): every N steps each rank's state
+goes to its node-local store and to a peer's, while training goes on.
+
+On the training thread, at the save's step: the state is captured exactly as a global save
+captures it (``snapshot.HostSnapshot``: the owned fp32 weights and Adam moments copied
+straight from the optimizer's tensors into one host buffer, pinned on GPUs; on a GPU this is
+a device-to-host copy and one device sync at the save point, as a global save's), with the
+RNG streams and meta.json's fields (``saving``'s own functions). A thread then writes this
+rank's copy (``io.write_rank``, the global format: a same-layout ``loading.load`` reads it),
+sends its bytes to the peer (``link.PeerLink``), writes the copy its source sent it, and
+meets every rank at a barrier, after which its copy is marked confirmed: every rank then
+holds its own state and its source's of that iteration.
+
+At most one save is in flight: a save first waits for the one before. So when a rank
+finishes step k+1 and saves, every rank's state of step k is held twice (its thread passed
+that barrier); a failure at any later moment loses at most the step after the newest
+complete state, which the restarted job runs again: at most one finished step re-executed.
+The thread only writes host memory or a node-local disk, and it is the only user of its
+gloo group. A failed local write is logged and the run goes on: the global checkpoints
+remain.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+from torch import nn
+
+from megatron3d.checkpoint import io
+from megatron3d.checkpoint.local import store
+from megatron3d.checkpoint.local.link import PeerLink
+from megatron3d.checkpoint.progress import Progress
+from megatron3d.checkpoint.saving import _capture_rng, _meta, layout
+from megatron3d.checkpoint.snapshot import HostSnapshot
+from megatron3d.config import TrainConfig
+from megatron3d.log import get_logger
+from megatron3d.mpu.random import RNGStreams
+from megatron3d.mpu.state import ParallelState
+from megatron3d.optim.lr_schedule import LRSchedule
+from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
+
+logger = get_logger(__name__)
+
+
+class LocalSaver:
+    """``saver(progress)`` keeps this rank's state at ``progress``; ``wait()`` returns once
+    that save is written and replicated; ``finish()`` (a run's normal end) removes the
+    rank's store: nothing is left to restart from."""
+
+    def __init__(self, cfg: TrainConfig, state: ParallelState, params: list[nn.Parameter],
+                 optimizer: MixedPrecisionOptimizer, rng: RNGStreams, lr_schedule: LRSchedule,
+                 series: str, link: PeerLink, root: Path, config_hash: str) -> None:
+        self.cfg, self.state, self.params, self.optimizer = cfg, state, params, optimizer
+        self.rng, self.lr_schedule, self.series = rng, lr_schedule, series
+        self.link, self.root, self.config_hash = link, root, config_hash
+        self._snapshot: HostSnapshot | None = None  # allocated at the first save
+        self._thread: threading.Thread | None = None
+        self._errors: list[str] = []
+
+    def __call__(self, progress: Progress) -> None:
+        self.wait()
+        if self._snapshot is None:
+            self._snapshot = HostSnapshot(self.params, self.optimizer.shard, self.state,
+                                          self.cfg.parallel.zero_stage)
+        it, rank = progress.iteration, self.state.world_rank
+        payload = meta = None
+        if self.optimizer.state_not_finite().item():  # a sync, at the save point
+            logger.warning("local checkpoint at iteration %d: rank %d's weights are not "
+                           "finite, not kept", it, rank)
+        else:
+            self._snapshot.capture(self.optimizer.live_state)
+            payload = {"chunks": self._snapshot.chunks, "rng": _capture_rng(self.rng),
+                       "iteration": it, "rank": rank, "layout": layout(self.cfg, self.state)}
+            meta = _meta(self.cfg, self.state, self.optimizer, progress, self.series,
+                         self.lr_schedule)
+        self._thread = threading.Thread(target=self._write, args=(it, payload, meta),
+                                        name=f"local-checkpoint-{it}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Return once the save in flight is written and replicated (its failures logged)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for error in self._errors:
+            logger.warning("a local checkpoint was not kept: %s", error)
+        self._errors.clear()
+
+    def finish(self) -> None:
+        """The run ended normally: wait for the last save, then remove this rank's store."""
+        self.wait()
+        self.link.barrier()  # every rank's thread is done with the others' directories
+        shutil.rmtree(store.rank_dir(self.root, self.state.world_rank), ignore_errors=True)
+
+    def _write(self, iteration: int, payload: dict | None, meta: dict | None) -> None:
+        """The thread: own copy, swap with the peer and source, held copy, barrier, confirm.
+        The swap and the barrier happen whatever failed, so that no rank waits forever."""
+        rank, source = self.state.world_rank, self.link.source
+        own = store.copy_dir(self.root, rank, iteration)
+        blob = bytearray()
+        if payload is not None:
+            blob = self._attempt(lambda: self._write_own(own, payload, meta)) or bytearray()
+        incoming = self.link.swap(blob)
+        if incoming and source != rank:
+            held = io.iteration_dir(store.held_dir(self.root, rank, source), iteration)
+            self._attempt(lambda: store.write_copy(held, *store.unpack(incoming)))
+            self._attempt(lambda: store.prune(held.parent))
+        self.link.barrier()
+        if blob:
+            self._attempt(lambda: store.confirm(own))
+            self._attempt(lambda: store.prune(own.parent))
+
+    def _write_own(self, directory: Path, payload: dict, meta: dict | None) -> bytearray:
+        """This rank's copy (a global save's rank file and meta.json); its bytes, packed."""
+        assert meta is not None
+        staging = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        io.write_rank(staging, self.state.world_rank, payload)
+        io.write_meta(staging, meta)
+        files = store.read_files(staging)
+        sidecar = store.sidecar_of(self.state.world_rank, payload["iteration"],
+                                   self.config_hash, files)
+        store.finish_copy(staging, directory, sidecar)
+        return store.pack(files, sidecar)
+
+    def _attempt(self, work):
+        try:
+            return work()
+        except OSError as err:
+            self._errors.append(f"{err.strerror or err} ({err.filename or self.root})")
+            return None

@@ -1,0 +1,109 @@
+"""The non-persistent checkpoints' pure parts, in one process: the flags and their one-line
+refusals, the peer ring, the store's copies and checksums, and the restore's choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron3d.checkpoint.local import store
+from megatron3d.checkpoint.local.link import peer_of, source_of
+from megatron3d.checkpoint.local.restore import choose, lost
+from megatron3d.cli.arguments import parse_command_line
+from megatron3d.config import CheckpointConfig
+from megatron3d.errors import ConfigError
+from megatron3d.validation import validate
+from tests.helpers.tiny import train_argv
+
+INTERVAL, TYPE, DIR = ("--non-persistent-save-interval", "--non-persistent-ckpt-type",
+                       "--non-persistent-local-ckpt-dir")
+
+
+def _config(*flags: str):
+    cfg, _ = parse_command_line(train_argv("gpt2", 3, *flags))
+    validate(cfg, 1)
+    return cfg.checkpoint
+
+
+def test_the_flags_and_megatrons_spelling():
+    assert _config(INTERVAL, "2", TYPE, "in_memory").non_persistent_ckpt_type == "memory"
+    local = _config(INTERVAL, "1", TYPE, "local", DIR, "/tmp/x")
+    assert (local.non_persistent_save_interval, local.non_persistent_local_ckpt_dir) == (
+        1, "/tmp/x")
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    ((INTERVAL, "1"), "--non-persistent-save-interval 1 needs --non-persistent-ckpt-type"),
+    ((TYPE, "memory"), "--non-persistent-ckpt-type memory needs --non-persistent-save-interval"),
+    ((INTERVAL, "1", TYPE, "local"), "local needs --non-persistent-local-ckpt-dir DIR"),
+    ((DIR, "/tmp/x"), "is used only with --non-persistent-ckpt-type"),
+    ((INTERVAL, "1", TYPE, "global"), "use --save-interval N instead"),
+    ((INTERVAL, "0", TYPE, "memory"), "--non-persistent-save-interval"),
+])
+def test_combinations_that_cannot_work_are_one_line(flags, says):
+    with pytest.raises(ConfigError) as info:
+        _config(*flags)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_each_rank_replicates_to_the_same_local_rank_of_the_next_node():
+    assert [peer_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert [peer_of(r, 4, 4) for r in range(4)] == [1, 2, 3, 0]  # one node: the next rank
+    assert [peer_of(r, 6, 4) for r in range(6)] == [1, 2, 3, 4, 5, 0]  # not whole nodes
+    assert all(source_of(peer_of(r, 8, 2), 8, 2) == r for r in range(8))
+    assert peer_of(0, 1, 1) == 0
+
+
+def test_the_store_is_the_jobs_own():
+    ckpt = CheckpointConfig(non_persistent_ckpt_type="memory", non_persistent_save_interval=1)
+    assert store.store_root(ckpt, {"TORCHELASTIC_RUN_ID": "a", "SLURM_JOB_ID": "7"}) == Path(
+        "/dev/shm/megatron3d-a")
+    assert store.store_root(ckpt, {"SLURM_JOB_ID": "7"}).name == "megatron3d-7"
+    assert store.store_root(ckpt, {}).name == "megatron3d-local"
+
+
+def test_a_copy_is_listed_only_when_complete_and_used_only_when_intact(tmp_path):
+    files = {"meta.json": b"{}", "rank_00001.pt": bytes(range(256))}
+    directory = store.copy_dir(tmp_path, 1, 5)
+    store.write_copy(directory, files, store.sidecar_of(1, 5, "h", files))
+    (directory.parent / "iter_0000006.tmp").mkdir()  # a killed writer's
+    [copy] = store.listed(tmp_path)
+    assert (copy.owner, copy.iteration, copy.confirmed) == (1, 5, False)
+    assert store.intact(directory, "h") == files
+    assert store.intact(directory, "other config") is None
+    (directory / "rank_00001.pt").write_bytes(bytes(range(255, -1, -1)))
+    assert store.intact(directory, "h") is None
+    assert store.unpack(store.pack(files, {"owner": 1})) == (files, {"owner": 1})
+
+
+def test_the_newest_two_iterations_are_kept(tmp_path):
+    for it in (8, 9, 10, 11):
+        store.write_copy(store.copy_dir(tmp_path, 0, it), {}, {})
+    store.prune(store.own_dir(tmp_path, 0))
+    assert sorted(p.name for p in store.own_dir(tmp_path, 0).iterdir()) == [
+        "iter_0000010", "iter_0000011"]
+
+
+def _own(owner: int, it: int, confirmed: bool = True) -> tuple:
+    return (owner, it, confirmed, f"/s/rank{owner}/own/iter_{it:07d}")
+
+
+def _held(holder: int, owner: int, it: int) -> tuple:
+    return (owner, it, True, f"/s/rank{holder}/held/rank{owner}/iter_{it:07d}")
+
+
+def test_the_newest_iteration_with_every_state_is_restored_each_read_by_its_owner_if_seen():
+    # rank 1's own copy of 7 is gone; rank 2 holds its replica; 8 is incomplete (in flight)
+    listings = [[_own(0, 7), _held(0, 2, 7), _own(0, 8, False)],
+                [],
+                [_own(2, 7), _held(2, 1, 7)]]
+    choice = choose(listings, set(), 3, floor=-1)
+    assert choice is not None and choice.iteration == 7
+    assert choice.sources == {0: (0, _own(0, 7)[3]), 1: (2, _held(2, 1, 7)[3]),
+                              2: (2, _own(2, 7)[3])}
+    assert lost(listings, set(), 3, resumed=7) is None  # 8 was never confirmed
+    assert choose(listings, set(), 3, floor=7) is None  # --load holds 7 already
+    bad = {(2, _held(2, 1, 7)[3])}  # the replica's checksum failed
+    assert choose(listings, bad, 3, floor=-1) is None
+    assert lost(listings, bad, 3, resumed=-1) == (7, [1])
