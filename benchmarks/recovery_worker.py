@@ -1,16 +1,17 @@
-"""``pretrain_gpt.main`` that reports what an in-job restart test needs to see from outside.
+"""``pretrain_gpt.main`` that reports what a kill-and-recover run needs to see from outside.
 
-    RESTART_DIR=D torchrun ... tests/helpers/restart_run.py ARGS
+    RECOVERY_DIR=D torchrun ... benchmarks/recovery_worker.py ARGS
 
 Each worker writes, under ``D``:
-- ``pid-<rank>``: its process id, rewritten by each restart of the workers (the torchrun
-  agent's pid is not a worker's, so a test that kills a rank reads it here);
-- ``steps-<rank>.jsonl``: one line per finished step: the restart attempt
-  (``TORCHELASTIC_RESTART_COUNT``), the iteration, the wall time, and the step's loss at full
-  precision (``repr`` of the float, on the last pipeline stage; None elsewhere), where the
-  log line's six digits could not show a bitwise difference.
-Installed from outside (wrapping ``build_trainer`` in this process), so no test seam lives in
-the framework.
+- ``pid-<attempt>-<rank>``: its process id, for each restart of the workers
+  (``TORCHELASTIC_RESTART_COUNT``; the torchrun agent's pid is not a worker's, so whoever
+  kills a rank reads it here);
+- ``steps-<rank>.jsonl``: one line per finished step: the attempt, the iteration, the wall
+  time, and the step's loss at full precision (``repr`` of the float, on the last pipeline
+  stage; None elsewhere), where the log line's six digits could not show a bitwise
+  difference (reading it syncs with the device: this is a measuring run).
+Installed from outside (wrapping ``build_trainer`` in this process), so no seam lives in the
+framework.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pretrain_gpt  # noqa: E402
 from megatron3d.training.build import Overrides  # noqa: E402
@@ -30,7 +31,7 @@ from megatron3d.training.step import StepResult  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-OUT = Path(os.environ.get("RESTART_DIR", "."))
+OUT = Path(os.environ.get("RECOVERY_DIR", "."))
 
 
 def _install() -> None:
@@ -50,7 +51,7 @@ def _install() -> None:
         hooks = dataclasses.replace(given.hooks, on_step=on_step)
         return build_trainer(cfg, state, dev, started, dataclasses.replace(given, hooks=hooks))
 
-    (OUT / f"pid-{RANK}").write_text(str(os.getpid()))
+    (OUT / f"pid-{ATTEMPT}-{RANK}").write_text(str(os.getpid()))
     pretrain_gpt.build_trainer = reporting_build
 
 
