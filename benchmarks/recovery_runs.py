@@ -54,7 +54,7 @@ def argv(work: Path, shape: str, iters: int, save_interval: int) -> list[str]:
             "--train-iters", str(iters), "--lr", "3e-3", "--min-lr", "3e-4",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data",
             "--vocab-size", "203", "--make-vocab-size-divisible-by", "8",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+            "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--log-interval", "1",
             "--eval-iters", "0", "--tensor-model-parallel-size", "2",
             "--pipeline-model-parallel-size", "2", *SHAPES[shape],
             "--save", str(work / "ckpt"), "--load", str(work / "ckpt"),
