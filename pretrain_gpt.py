@@ -35,6 +35,7 @@ from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.resilience import exit_record
 from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.resilience.flight_recorder import FlightRecorder
+from megatron3d.resilience.restart import Restart
 from megatron3d.resilience.watchdog import Watchdog, default_dump_dir
 from megatron3d.training.build import Overrides, build_trainer, run_length, valid_samples
 from megatron3d.training.data_setup import check_data_exists, check_vocabulary_fits, dry_run
@@ -120,7 +121,11 @@ def _train(cfg: TrainConfig, state: ParallelState, dev: torch.device, started: f
         logger.info(state.topology.table())
         logger.info("device: %s", devices.describe(dev))
         overrides = Overrides(hooks=Hooks(heartbeat=watchdog), observers=(watchdog.recorder,))
-        build_trainer(cfg, state, dev, started, overrides).run()
+        trainer = build_trainer(cfg, state, dev, started, overrides)
+        restart = Restart.from_env()  # torchrun --max-restarts started the workers again
+        if restart is not None:
+            logger.info(restart.line(trainer.progress.iteration))
+        trainer.run()
     except Megatron3dError as err:
         code = 1 if isinstance(err, TrainingError) else 2
         exit_record.report(code, f"error: {err}")

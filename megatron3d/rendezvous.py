@@ -5,6 +5,12 @@ group exists. torch waits there with the collectives' timeout, so a stray WORLD_
 wrong address or a rank 0 that never started looked like a 10-minute hang followed by a
 traceback; here the wait is ``--rendezvous-timeout`` and its end is one ``ConfigError`` line
 naming the variables to check.
+
+Under torchrun every worker uses the agent's store, which outlives the workers: when
+``--max-restarts`` restarts them after a failure, the new workers would read the keys the dead
+ones wrote (gloo's addresses, so the new process group waits for processes that are gone; a
+posted failure). Each restart of the workers (``TORCHELASTIC_RESTART_COUNT``) therefore gets
+its own key space in that store.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ def join(rank: int, world_size: int, seconds: float) -> dist.Store:
                                                timeout=datetime.timedelta(seconds=seconds)))
         except dist.DistError as err:
             raise ConfigError(_problem(str(err), rank, world_size, seconds)) from None
-    return store
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return store
+    return dist.PrefixStore(f"megatron3d/attempt_{attempt}", store)
 
 
 def _problem(message: str, rank: int, world_size: int, seconds: float) -> str:

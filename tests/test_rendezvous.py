@@ -83,3 +83,24 @@ def test_an_unresolvable_master_addr_is_named_at_once(monkeypatch, capfd):
 def test_a_busy_master_port_is_one_line(monkeypatch, capfd, busy_port):
     _launched(monkeypatch, 0, "127.0.0.1", busy_port)
     _refused(capfd, f"MASTER_PORT={busy_port}", "in use")
+
+
+def test_each_torchrun_restart_of_the_workers_gets_its_own_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's store outlives the workers it restarts: the restarted workers must not read
+    the keys their predecessors wrote (gloo's addresses of dead processes, a posted failure)."""
+    from megatron3d import rendezvous
+
+    port = _free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    seen = []
+    for attempt in ("0", "1", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        store = rendezvous.join(0, 1, TIMEOUT_S)
+        seen.append(store.check(["megatron3d/test"]))
+        store.set("megatron3d/test", attempt)
+    assert seen == [False, False, True]
+    del agent

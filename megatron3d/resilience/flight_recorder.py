@@ -115,6 +115,11 @@ class FlightRecorder:
         oldest = self._seq - self.ops.maxlen
         self._drop(lambda seq, done: seq < oldest or _done(done))
 
+    def activity(self) -> tuple[int, int]:
+        """(operations issued, operations not seen done): unchanged while the rank is stuck
+        (``term_grace.py``); read after ``poll``. Any thread."""
+        return self._seq, len(self._pending)
+
     def _drop(self, drop: Callable[[int, Callable[[], bool]], bool]) -> None:
         for seq, done in list(self._pending.items()):  # a copy: the main thread adds more
             if drop(seq, done):

@@ -15,7 +15,9 @@ completed (off the training thread, and it lets go of their works).
 SIGUSR2 writes the same dump without stopping. Python runs signal handlers only on the main
 thread, which may be the blocked one, so the signal reaches this thread through
 ``signal.set_wakeup_fd``: the interpreter's C-level handler writes the signal number to a pipe
-that the watchdog thread waits on.
+that the watchdog thread waits on. SIGTERM comes the same way (under ``--save`` the exit
+watch's handler catches it): a rank that then stays blocked in a collective exits
+(``term_grace.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from megatron3d.mpu.state import ParallelState
 from megatron3d.resilience.failure_board import PEER_EXIT_CODE, FailureBoard
 from megatron3d.resilience.flight_recorder import FlightRecorder
 from megatron3d.resilience.hang_dump import dump_path, write_dump
+from megatron3d.resilience.term_grace import TERM_EXIT_CODE, TermGrace
 
 logger = get_logger(__name__)
 
@@ -78,6 +81,7 @@ class Watchdog:
         self._pipe: tuple[int, int] | None = None
         self._previous: tuple[int, object] | None = None
         self.board = board
+        self.term = TermGrace()
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, state: ParallelState,
@@ -170,9 +174,16 @@ class Watchdog:
         while not self._stop.is_set():
             ready, _, _ = select.select([read_fd], [], [], _POLL_S)
             self.recorder.poll()
-            if ready and DUMP_SIGNAL in os.read(read_fd, 64):
+            signals = os.read(read_fd, 64) if ready else b""
+            if DUMP_SIGNAL in signals:
                 path = self.dump(f"{DUMP_SIGNAL.name} (on request; training continues)")
                 logger.info("rank %d wrote %s on %s", self.rank, path, DUMP_SIGNAL.name)
+            if signal.SIGTERM in signals:
+                self.term.signalled(time.monotonic())
+            if self.term.expired(time.monotonic(), self.recorder.activity(),
+                                 saving=self.phase == "checkpoint save") \
+                    and not self._stop.is_set():
+                self._end_on_term()
             if self.timeout > 0 and time.monotonic() > self._limit[0] and not self._stop.is_set():
                 self._fire()
             if self.board is not None and time.monotonic() > next_board_check:
@@ -191,6 +202,15 @@ class Watchdog:
         sys.stderr.flush()
         time.sleep(EXIT_GRACE_S)
         os._exit(HANG_EXIT_CODE)
+
+    def _end_on_term(self) -> None:
+        """SIGTERM came and this rank stays blocked on a peer: it cannot save, so it ends."""
+        sys.stderr.write(f"rank {self.rank} {self._where()}: SIGTERM while waiting in a "
+                         f"collective with nothing finishing for {self.term.grace_s:g} s (a "
+                         "peer is gone): exiting now without saving, with code "
+                         f"{TERM_EXIT_CODE}\n")
+        sys.stderr.flush()
+        os._exit(TERM_EXIT_CODE)
 
     def _where(self) -> str:
         return "(" + ", ".join(f"{k} {v}" for k, v in self.coords.items()) + ")"
