@@ -68,28 +68,39 @@ def _steps(a: argparse.Namespace, world: int, local_root: str | None) -> list[fl
 
 
 def _run(a: argparse.Namespace, world: int, root: str) -> dict[str, Any]:
-    """One rank: both runs, in the same process."""
-    return {"baseline": _steps(a, world, None), "local": _steps(a, world, root),
-            "machine": devices.describe(torch.device("cpu"))}
+    """One rank: both runs, alternated ``a.repeats`` times in the same process (so that a
+    change in the machine's load weighs on both alike)."""
+    found: dict[str, Any] = {"baseline": [], "local": [],
+                             "machine": devices.describe(torch.device("cpu"))}
+    for _ in range(a.repeats):
+        found["baseline"] += _steps(a, world, None)[WARMUP:]
+        found["local"] += _steps(a, world, root)[WARMUP:]
+    return found
 
 
 def local_save_cost(a: argparse.Namespace, world: int, root: str) -> dict[str, float]:
     """Median step seconds without and with local saves at every step (slowest rank's
     median), and their ratio: what ``benchmarks/recovery.py`` reports as the save cost."""
     ranks = spawn(_run, world, a, world, root, timeout_s=900)
-    base = max(statistics.median(r["baseline"][WARMUP:]) for r in ranks)
-    local = max(statistics.median(r["local"][WARMUP:]) for r in ranks)
+    base = max(statistics.median(r["baseline"]) for r in ranks)
+    local = max(statistics.median(r["local"]) for r in ranks)
     return {"baseline_s": base, "local_s": local, "ratio": local / base,
             "machine": ranks[0]["machine"]}
 
 
-def main(args: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    """The shape and length of the cost runs (``benchmarks/recovery.py`` takes them too)."""
     add_model_args(p)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each kind, alternated")
     p.add_argument("--accumulation", type=int, default=8,
                    help="micro-batches per rank per step (a real run has hundreds)")
     p.add_argument("--world", type=int, default=2, help="gloo ranks (DP, ZeRO-1)")
+
+
+def main(args: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cost_args(p)
     p.add_argument("--dir", default="/dev/shm", help="root of the local store")
     a = p.parse_args(args)
     with tempfile.TemporaryDirectory(prefix="m3d_local_", dir=a.dir) as root:

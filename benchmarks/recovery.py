@@ -25,8 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import add_model_args
-from benchmarks.local_save import local_save_cost
+from benchmarks.local_save import add_cost_args, local_save_cost
 from benchmarks.recovery_runs import (
     SHAPES,
     WORLD,
@@ -80,9 +79,7 @@ def main(args: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=32)
     p.add_argument("--no-cost", action="store_true", help="skip the local-save cost")
-    add_model_args(p)  # the save cost's shape (benchmarks/local_save.py's defaults)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--world", type=int, default=2)
+    add_cost_args(p)  # the save cost's shape (benchmarks/local_save.py's defaults)
     a = p.parse_args(args)
     rng = random.Random(a.seed)
     lines = [f"seed {a.seed}; {WORLD} gloo workers, (tp 2, pp 2, dp 2), {ITERS} steps, a local "
@@ -96,7 +93,8 @@ def main(args: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="m3d_local_", dir="/dev/shm") as root:
             cost = local_save_cost(a, a.world, root)
         lines.append(f"local save every step ({cost['machine']}; {a.world} ranks, hidden "
-                     f"{a.hidden}, {a.layers} layers, seq {a.seq}): median step "
+                     f"{a.hidden}, {a.layers} layers, seq {a.seq}, {a.accumulation} "
+                     f"micro-batches of {a.micro_batch} per rank per step): median step "
                      f"{cost['baseline_s'] * 1e3:.1f} ms without, {cost['local_s'] * 1e3:.1f} "
                      f"ms with, ratio {cost['ratio']:.3f}")
     sys.stdout.write("\n".join(lines) + f"\n(target: kill to next step <= {TARGET_S:g} s, at "
