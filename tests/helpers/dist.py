@@ -91,7 +91,10 @@ def _check_deaths(procs: list, results: dict, dead_since: dict) -> None:
                             f"worker exited with code {proc.exitcode} without replying")
 
 
-_PRELOAD = ["torch", "torch.distributed", "megatron3d.training.build", "tests.helpers.runs"]
+# torch._dynamo: torch.optim's Optimizer imports it on its first construction, a CPU-second
+# in every worker that builds one; imported once here, every worker inherits it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron3d.training.build",
+            "tests.helpers.runs"]
 
 
 def _context() -> Any:
