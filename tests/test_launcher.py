@@ -59,4 +59,6 @@ def test_the_job_exits_with_the_ranks_code_and_one_line(tmp_path):
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
     assert _tree(root) == before and not (root / "hang").exists()
     [record] = [path.read_text().split() for path in exits.iterdir()]
-    assert record[1:] == ["node7", "2", "1"] and record[0].isdigit(), record
+    # every rank stops with the agreed line, so either may have written it first
+    assert record[1:3] == ["node7", "2"] and record[3] in {"0", "1"}, record
+    assert record[0].isdigit(), record
