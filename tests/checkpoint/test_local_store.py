@@ -3,13 +3,16 @@ refusals, the peer ring, the store's copies and checksums, and the restore's cho
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron3d.checkpoint.local import store
 from megatron3d.checkpoint.local.link import peer_of, source_of
 from megatron3d.checkpoint.local.restore import choose, lost
+from megatron3d.checkpoint.snapshot import HostSnapshot
 from megatron3d.cli.arguments import parse_command_line
 from megatron3d.config import CheckpointConfig
 from megatron3d.errors import ConfigError
@@ -107,3 +110,14 @@ def test_the_newest_iteration_with_every_state_is_restored_each_read_by_its_owne
     bad = {(2, _held(2, 1, 7)[3])}  # the replica's checksum failed
     assert choose(listings, bad, 3, floor=-1) is None
     assert lost(listings, bad, 3, resumed=-1) == (7, [1])
+
+
+@pytest.mark.parametrize(("values", "finite"), [
+    ([1.0, 2.0], True), ([3e38, 3e38], True),  # finite values whose sum overflows
+    ([1.0, math.nan], False), ([math.inf, 1.0], False), ([math.inf, -math.inf], False)])
+def test_the_writer_threads_finiteness_check_is_exact(values, finite):
+    """A local save keeps a state only if its host copy is finite (``HostSnapshot.all_finite``,
+    a sum first, element by element only when the sum is not finite)."""
+    snapshot = HostSnapshot.__new__(HostSnapshot)  # just the buffer: [kind, element]
+    snapshot._buffer = torch.tensor([[0.0, 0.0], values])
+    assert snapshot.all_finite() is finite
