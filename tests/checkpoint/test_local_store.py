@@ -4,6 +4,7 @@ refusals, the peer ring, the store's copies and checksums, and the restore's cho
 from __future__ import annotations
 
 import math
+from io import BytesIO
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,9 @@ def test_the_store_is_the_jobs_own():
 
 
 def test_a_copy_is_listed_only_when_complete_and_used_only_when_intact(tmp_path):
-    files = {"meta.json": b"{}", "rank_00001.pt": bytes(range(256))}
+    saved = BytesIO()
+    torch.save({"data": torch.arange(64.0)}, saved)  # a rank file: a zip with a CRC per record
+    files = {"meta.json": b"{}", "rank_00001.pt": saved.getvalue()}
     directory = store.copy_dir(tmp_path, 1, 5)
     store.write_copy(directory, files, store.sidecar_of(1, 5, "h", files))
     (directory.parent / "iter_0000006.tmp").mkdir()  # a killed writer's
@@ -75,7 +78,14 @@ def test_a_copy_is_listed_only_when_complete_and_used_only_when_intact(tmp_path)
     assert (copy.owner, copy.iteration, copy.confirmed) == (1, 5, False)
     assert store.intact(directory, "h") == files
     assert store.intact(directory, "other config") is None
-    (directory / "rank_00001.pt").write_bytes(bytes(range(255, -1, -1)))
+    tensor_at = files["rank_00001.pt"].find(torch.arange(64.0).numpy().tobytes())
+    for at in (tensor_at + 100, 0):  # a tensor's bytes, the first record's header
+        damaged = bytearray(files["rank_00001.pt"])
+        damaged[at] ^= 0xFF
+        (directory / "rank_00001.pt").write_bytes(bytes(damaged))
+        assert store.intact(directory, "h") is None
+    (directory / "rank_00001.pt").write_bytes(files["rank_00001.pt"])
+    (directory / "meta.json").write_bytes(b"{ }")
     assert store.intact(directory, "h") is None
     assert store.unframe(store.frames(files, {"owner": 1})) == (files, {"owner": 1})
 

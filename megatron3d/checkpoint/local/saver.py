@@ -24,6 +24,8 @@ remain.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -44,6 +46,7 @@ from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 
 logger = get_logger(__name__)
+_NICE = 10  # the writer thread's niceness: below the training's 0
 
 
 class LocalSaver:
@@ -97,6 +100,7 @@ class LocalSaver:
         """The thread: the finiteness check (of the host copy: nothing on the device), own
         copy, swap with the peer and source, held copy, barrier, confirm. The swap and the
         barrier happen whatever failed, so that no rank waits forever."""
+        _yield_to_training()
         rank, source = self.state.world_rank, self.link.source
         outgoing: list[memoryview] = []
         own = store.copy_dir(self.root, rank, iteration)
@@ -135,3 +139,10 @@ class LocalSaver:
         except OSError as err:
             self._errors.append(f"{err.strerror or err} ({err.filename or self.root})")
             return None
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's CPU priority (Linux schedules threads alone): where the host's
+    cores are all busy, the training gets them first and the save takes the gaps."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)

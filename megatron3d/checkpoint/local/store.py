@@ -5,7 +5,8 @@
 
 Each copy is a loadable checkpoint directory for its owner: ``meta.json`` and the owner's
 rank file, exactly as a global save writes them, plus ``local.json`` (owner, iteration,
-the configuration hash and a CRC-32 of each file), and ``confirmed`` once every rank held
+the configuration hash and a CRC-32 of meta.json: the rank file, a zip archive, holds one
+per record), and ``confirmed`` once every rank held
 its state of that iteration (the save's last barrier). A copy is written under
 ``iter_N.tmp`` and renamed when complete, so a killed writer leaves no half copy that looks
 whole. KEY is ``$TORCHELASTIC_RUN_ID`` (torchrun keeps it across restarts of its workers),
@@ -20,9 +21,11 @@ import json
 import mmap
 import os
 import shutil
+import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
 
 from megatron3d.checkpoint import io
@@ -89,8 +92,26 @@ def finish_copy(staging: Path, directory: Path, sidecar: dict) -> None:
 
 def sidecar_of(owner: int, iteration: int, config_hash: str,
                files: dict[str, bytes]) -> dict:
+    """The copy's description: whose state, which iteration and configuration, and a CRC-32
+    of each file that has none of its own (a rank file is a zip archive in which
+    ``torch.save`` already wrote a CRC-32 of every record: computing one more would read its
+    bytes again at every save)."""
     return {"owner": owner, "iteration": iteration, "config_hash": config_hash,
-            "crc32": {name: checksum(data) for name, data in files.items()}}
+            "crc32": {name: checksum(data) for name, data in files.items()
+                      if not _zipped(name)}}
+
+
+def _zipped(name: str) -> bool:
+    return name.endswith(".pt")
+
+
+def _zip_intact(data: bytes | memoryview) -> bool:
+    """Whether every record of a rank file matches the CRC-32 its zip directory holds."""
+    try:
+        with zipfile.ZipFile(BytesIO(data)) as archive:
+            return archive.testzip() is None
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+        return False
 
 
 def mapped(directory: Path) -> dict[str, memoryview]:
@@ -132,8 +153,10 @@ def intact(directory: Path, config_hash: str) -> dict[str, bytes] | None:
     except (OSError, ValueError):
         return None
     expected = sidecar.get("crc32", {})
-    good = (sidecar.get("config_hash") == config_hash and files.keys() == expected.keys()
-            and all(checksum(data) == expected[name] for name, data in files.items()))
+    good = (sidecar.get("config_hash") == config_hash
+            and {n for n in files if not _zipped(n)} == expected.keys()
+            and all(_zip_intact(data) if _zipped(name) else checksum(data) == expected[name]
+                    for name, data in files.items()))
     return files if good else None
 
 
