@@ -77,7 +77,7 @@ class Job:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
                  "--nproc-per-node", str(WORLD), "--max-restarts", str(max_restarts),
-                 "--monitor-interval", "0.1", str(ROOT / "benchmarks/recovery_worker.py"),
+                 "--monitor-interval", "0.1", "--module", "benchmarks.recovery_worker",
                  *args], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def records(self) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """``pretrain_gpt.main`` that reports what a kill-and-recover run needs to see from outside.
 
-    RECOVERY_DIR=D torchrun ... benchmarks/recovery_worker.py ARGS
+    RECOVERY_DIR=D PYTHONPATH=REPO torchrun ... --module benchmarks.recovery_worker ARGS
 
 Each worker writes, under ``D``:
 - ``pid-<attempt>-<rank>``: its process id, for each restart of the workers
@@ -23,11 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import pretrain_gpt  # noqa: E402
-from megatron3d.training.build import Overrides  # noqa: E402
-from megatron3d.training.step import StepResult  # noqa: E402
+import pretrain_gpt  # the repository's entry point: PYTHONPATH holds the repository
+from megatron3d.training.build import Overrides
+from megatron3d.training.step import StepResult
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

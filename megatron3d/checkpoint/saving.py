@@ -107,11 +107,9 @@ def save(root: str, cfg: TrainConfig, state: ParallelState, optimizer: MixedPrec
             io.clear_for_save(path, progress.iteration, series)
             staging.mkdir()
     comm.barrier(state.world)
-    header = {"rng": _capture_rng(rng), "iteration": progress.iteration,  # see safety.py
-              "rank": state.world_rank, "layout": layout(cfg, state)}
-    meta = (_meta(cfg, state, optimizer, progress, series, lr_schedule)
+    payload = rank_payload(cfg, state, snapshot, rng, progress.iteration)
+    meta = (meta_of(cfg, state, optimizer, progress, series, lr_schedule)
             if state.world_rank == 0 else None)
-    payload = {"chunks": snapshot.chunks, **header}
     if background is not None:
         background.start(path, payload, meta, cfg.checkpoint.keep_last_n, series)
         return
@@ -135,7 +133,15 @@ def agreed_series(series: str, state: ParallelState, device: torch.device) -> st
     return bytes(agreed.tolist()).decode().rstrip()
 
 
-def _meta(cfg: TrainConfig, state: ParallelState, optimizer: MixedPrecisionOptimizer,
+def rank_payload(cfg: TrainConfig, state: ParallelState, snapshot: HostSnapshot,
+                 rng: RNGStreams, iteration: int) -> dict[str, Any]:
+    """What a rank file holds (see ``payload.py`` and ``safety.py``): the captured chunks,
+    this moment's RNG states, and whose file it is."""
+    return {"chunks": snapshot.chunks, "rng": _capture_rng(rng), "iteration": iteration,
+            "rank": state.world_rank, "layout": layout(cfg, state)}
+
+
+def meta_of(cfg: TrainConfig, state: ParallelState, optimizer: MixedPrecisionOptimizer,
           progress: Progress, series: str, lr_schedule: LRSchedule) -> dict[str, Any]:
     """meta.json: the run's position and series, Adam's step, the loss scaler, the resolved
     learning-rate schedule, the configuration and the layout."""

@@ -36,7 +36,7 @@ from megatron3d.checkpoint import io
 from megatron3d.checkpoint.local import store
 from megatron3d.checkpoint.local.link import PeerLink
 from megatron3d.checkpoint.progress import Progress
-from megatron3d.checkpoint.saving import _capture_rng, _meta, layout
+from megatron3d.checkpoint.saving import meta_of, rank_payload
 from megatron3d.checkpoint.snapshot import HostSnapshot
 from megatron3d.config import TrainConfig
 from megatron3d.log import get_logger
@@ -69,12 +69,11 @@ class LocalSaver:
         if self._snapshot is None:
             self._snapshot = HostSnapshot(self.params, self.optimizer.shard, self.state,
                                           self.cfg.parallel.zero_stage)
-        it, rank = progress.iteration, self.state.world_rank
+        it = progress.iteration
         self._snapshot.capture(self.optimizer.live_state)
-        payload = {"chunks": self._snapshot.chunks, "rng": _capture_rng(self.rng),
-                   "iteration": it, "rank": rank, "layout": layout(self.cfg, self.state)}
-        meta = _meta(self.cfg, self.state, self.optimizer, progress, self.series,
-                     self.lr_schedule)
+        payload = rank_payload(self.cfg, self.state, self._snapshot, self.rng, it)
+        meta = meta_of(self.cfg, self.state, self.optimizer, progress, self.series,
+                       self.lr_schedule)
         self._thread = threading.Thread(target=self._write,
                                         args=(it, payload, meta, self._snapshot),
                                         name=f"local-checkpoint-{it}", daemon=True)
