@@ -20,43 +20,45 @@ ALLOWED: dict[str, set[str]] = {
     "log": {"device", "errors"},
     # the parallel machinery: TP (mpu), PP (pipeline), DP and ZeRO (zero), precision (optim)
     "mpu": {"device", "errors"},
+    # context parallelism: which tokens a rank holds, attention over a split sequence
+    "cp": {"mpu", "device", "errors"},
     "pipeline": {"mpu", "config", "device", "errors"},
     "optim": {"mpu", "config", "kernels", "device", "errors"},
     # ZeRO-3 plans its gathers from the pipeline program (pure instruction lists).
     "zero": {"mpu", "pipeline", "config", "device", "errors"},
-    "model": {"mpu", "pipeline", "config", "kernels", "device", "errors"},
-    "data": {"config", "device", "errors", "log"},
+    "model": {"mpu", "cp", "pipeline", "config", "kernels", "device", "errors"},
+    "data": {"cp", "config", "device", "errors", "log"},
     # the native format and a run's save/load: no model, data or pipeline code (cli: the
     # saved flags of --use-checkpoint-args are checked as flags)
     "checkpoint": {"mpu", "optim", "zero", "cli", "config", "device", "errors", "log"},
     # what a layout costs (memory, activations, FLOPs, model size): start-up checks, the log
     # line and the planner share it
-    "accounting": {"mpu", "pipeline", "optim", "zero", "model", "config", "device", "errors"},
+    "accounting": {"mpu", "cp", "pipeline", "optim", "zero", "model", "config", "device", "errors"},
     # stalls and rank failures: the watchdog, flight recorder, hang dumps and reports
     "resilience": {"mpu", "pipeline", "config", "device", "log", "errors"},
     # validation asks the owners of rules: the rank grid, the batch and learning-rate
     # schedules, the data split and tokenizer, the pipeline schedules and the partitioner (on
     # the model's layer list).
-    "validation": {"config", "errors", "data", "mpu", "optim", "pipeline", "model",
+    "validation": {"config", "cp", "errors", "data", "mpu", "optim", "pipeline", "model",
                    "resilience"},
     # the command line: Megatron's flags (compat), argparse and YAML (arguments), the tools'
     # shared front end (common)
     "cli": {"config", "errors"},
     # one process over a whole checkpoint: consolidation, relayout, Hugging Face and
     # Megatron-Core conversion (which reads Megatron's arguments through cli)
-    "convert": {"checkpoint", "model", "pipeline", "mpu", "data", "cli", "config", "errors",
+    "convert": {"checkpoint", "cp", "model", "pipeline", "mpu", "data", "cli", "config", "errors",
                 "log"},
     "inference": {"convert", "data", "config", "errors"},
     # the run: builds everything below and trains it
-    "training": {"mpu", "pipeline", "optim", "zero", "model", "data", "checkpoint",
+    "training": {"mpu", "cp", "pipeline", "optim", "zero", "model", "data", "checkpoint",
                  "accounting", "config", "device", "kernels", "errors", "log"},
     # the topology planner judges layouts with validation and the run's own accounting, so
     # its numbers are the start-up check's
-    "planner": {"accounting", "validation", "optim", "pipeline", "model", "mpu", "config",
+    "planner": {"accounting", "cp", "validation", "optim", "pipeline", "model", "mpu", "config",
                 "errors"},
     # the command-line tools (tools/*.py and the console scripts run them): entry points, like
     # pretrain_gpt.py
-    "tools": {"training", "planner", "inference", "convert", "resilience", "accounting",
+    "tools": {"training", "cp", "planner", "inference", "convert", "resilience", "accounting",
               "checkpoint", "data", "optim", "mpu", "cli", "config", "errors", "log"},
 }
 

@@ -18,6 +18,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron3d.cp.attention import context_attention
+from megatron3d.cp.layout import rank_index
+from megatron3d.cp.tokens import TokenInfo
 from megatron3d.model.context import LayerContext
 from megatron3d.model.grouped_attention import attention
 from megatron3d.model.positional import apply_rotary, rotary_tables
@@ -54,9 +57,14 @@ class SelfAttention(nn.Module):
         self.qkv_views = self.position_type != "rope" and (self.group_size == 1
                                                            or self.local_groups == 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, info: TokenInfo | None = None) -> torch.Tensor:
+        """``info``: where the tokens sit (``cp/tokens.py``); None for a whole sequence in
+        order. Under context parallelism a stage that reads no data derives its own."""
         qkv = self.qkv(x)  # [s, b, (n + 2G) d / tp] (gathered along s under SP)
         s, b, _ = qkv.shape
+        cp = self.ctx.cp
+        if info is None and cp.size > 1:
+            info = TokenInfo(index=rank_index(s * cp.size, cp.size, cp.rank, qkv.device))
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, self.head_dim)
         # One split, not three indexings: its backward writes the three gradients into one
         # new tensor, where slicing and selecting would each add a zero-filled qkv-sized one.
@@ -64,24 +72,42 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, self.local_heads, self.head_dim)
         k, v = k.squeeze(3), v.squeeze(3)  # each [s, b, G/tp, d]
         if self.position_type == "rope":
-            q = apply_rotary(q, self.rope_cos, self.rope_sin)
-            k = apply_rotary(k, self.rope_cos, self.rope_sin)
+            cos, sin = self._rotary(info, b)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         if not self.qkv_views:  # a k or v view kept for backward would keep all of qkv
             k, v = k.contiguous(), v.contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or G/tp, s, d]
         if self.selective and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, use_reentrant=False,
+            out = checkpoint(self._core, q, k, v, info, use_reentrant=False,
                              context_fn=self.ctx.recompute_contexts)
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, info)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.dense(out)  # [s, b, h]
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _rotary(self, info: TokenInfo | None,
+                batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at the tokens' positions: the tables' first rows for a whole sequence
+        in order, else [s, b, 1, d] rows picked by position."""
+        if info is None:
+            return self.rope_cos, self.rope_sin
+        rows = info.positions(batch).t()  # [s, b]
+        return tuple(t.view(t.shape[0], t.shape[-1])[rows].unsqueeze(2)
+                     for t in (self.rope_cos, self.rope_sin))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              info: TokenInfo | None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask or ALiBi) v, with attention dropout: q
         [b, heads, s, d], k and v [b, G/tp, s, d] (shared by each group's query heads, not
-        copied) -> [b, heads, s, d]. What selective recompute re-runs."""
+        copied) -> [b, heads, s, d]. What selective recompute re-runs. Given ``info`` (a
+        split sequence, packed documents) the mask and bias come from it (``cp/``)."""
         dropout = self.dropout_p if self.training else 0.0
-        bias = None if self.alibi is None else self.alibi.get(q.shape[2], q.dtype, q.device)
         with self.ctx.tp_region_rng():  # each TP rank drops out its own heads
-            return attention(q, k, v, bias, dropout)
+            if info is None:
+                bias = (None if self.alibi is None
+                        else self.alibi.get(q.shape[2], q.dtype, q.device))
+                return attention(q, k, v, bias, dropout)
+            slopes = None if self.alibi is None else self.alibi.slopes.to(q.device)
+            return context_attention(q, k, v, info, self.ctx.cp, slopes, dropout,
+                                     self.ctx.cp_comm_type)

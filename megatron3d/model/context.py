@@ -27,7 +27,9 @@ class LayerContext:
     stream (fine for a single process, wrong across TP ranks). ``draw_weights``: False when a
     checkpoint will fill the weights (--load): they start at zero and nothing is drawn.
     ``defer_init``: parameters are built on the meta device, without storage; the ZeRO
-    stage allocates it and draws each rank's share there (``mpu/init.py``)."""
+    stage allocates it and draws each rank's share there (``mpu/init.py``). ``cp``: the
+    context-parallel axis this rank's sequence shard is part of, exchanged in attention as
+    ``cp_comm_type`` says (``cp/attention.py``)."""
 
     cfg: ModelConfig
     tp: AxisGroup
@@ -38,6 +40,8 @@ class LayerContext:
     sequence_parallel: bool = False
     draw_weights: bool = True
     defer_init: bool = False
+    cp: AxisGroup = AxisGroup.single()
+    cp_comm_type: str = "p2p"
 
     def tp_region_rng(self) -> contextlib.AbstractContextManager:
         """Where dropout acts on TP-split activations: a stream that differs per TP rank."""

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from megatron3d.cp.tokens import TokenInfo
 from megatron3d.model.context import LayerContext
 from megatron3d.model.norm import Norm
 from megatron3d.mpu.init import Constant, Normal, fill
@@ -54,24 +55,33 @@ class InputEmbedding(nn.Module):
                 ParamMeta(name=name, sequence_parallel=ctx.sequence_parallel, init=init))
         self.ctx = ctx
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    takes_token_info = True  # learned positions are the tokens' own (Stage.forward)
+
+    def forward(self, tokens: torch.Tensor, info: TokenInfo | None = None) -> torch.Tensor:
+        """``info``: the tokens' positions when they are not 0..s-1 (a context-parallel
+        shard, documents restarting their positions)."""
         if self.ctx.sequence_parallel:
-            x = self._sequence_shard(tokens)
+            x = self._sequence_shard(tokens, info)
         else:
             x = self.word_embeddings(tokens)  # [b, s, h]
             if self.position_embeddings is not None:
-                x = x + self.position_embeddings[: tokens.shape[1]]
+                x = x + (self.position_embeddings[: tokens.shape[1]] if info is None
+                         else self.position_embeddings[info.positions(tokens.shape[0])])
             x = x.transpose(0, 1).contiguous()  # [s, b, h]
         return self.ctx.hidden_dropout(x, self.training)
 
-    def _sequence_shard(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _sequence_shard(self, tokens: torch.Tensor, info: TokenInfo | None) -> torch.Tensor:
         """This rank's sequence shard [s/tp, b, h]: the partial lookups are summed with a
         reduce-scatter, then the shard's own positions are added."""
         partial = self.word_embeddings.partial(tokens).transpose(0, 1).contiguous()  # [s, b, h]
         x = reduce_scatter_to_sequence_region(partial, self.ctx.tp)  # [s/tp, b, h]
         if self.position_embeddings is not None:
             start = self.ctx.tp.rank * x.shape[0]
-            x = x + self.position_embeddings[start:start + x.shape[0]].unsqueeze(1)
+            if info is None:
+                x = x + self.position_embeddings[start:start + x.shape[0]].unsqueeze(1)
+            else:  # [s/tp, b] positions of this TP rank's part of the shard
+                rows = info.positions(tokens.shape[0]).t()[start:start + x.shape[0]]
+                x = x + self.position_embeddings[rows]
         return x
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron3d.cp.tokens import TokenInfo
 from megatron3d.model.attention import SelfAttention
 from megatron3d.model.context import LayerContext
 from megatron3d.model.mlp import MLP
@@ -27,18 +28,20 @@ class TransformerLayer(nn.Module):
         self.ctx = ctx
         self.rng = ctx.rng  # the dropout streams this layer draws from
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._block, x, use_reentrant=False,
+    takes_token_info = True  # attention reads where the tokens sit (Stage.forward)
+
+    def forward(self, x: torch.Tensor, info: TokenInfo | None = None) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():  # info passed in: the re-run sees it
+            return checkpoint(self._block, x, info, use_reentrant=False,
                               context_fn=self._recompute_contexts)
-        return self._block(x)
+        return self._block(x, info)
 
     def _recompute_contexts(self) -> tuple:
         """torch's checkpoint replays the default RNG; this replays the TP dropout stream."""
         return self.ctx.recompute_contexts()
 
-    def _block(self, x: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(self.input_norm(x))  # [s, b, h] or [s/tp, b, h] under SP
+    def _block(self, x: torch.Tensor, info: TokenInfo | None) -> torch.Tensor:
+        attn = self.attention(self.input_norm(x), info)  # [s, b, h] or [s/tp, b, h] under SP
         x = x + self.ctx.hidden_dropout(attn, self.training)
         mlp = self.mlp(self.post_attention_norm(x))
         return x + self.ctx.hidden_dropout(mlp, self.training)

@@ -57,7 +57,10 @@ class AxisGroup:
 
 @dataclass(frozen=True)
 class ParallelState:
-    """All groups of this rank: tp, pp, dp, model-parallel (tp x pp) and embedding."""
+    """All groups of this rank: tp, pp, dp, model-parallel (tp x pp), embedding, and the
+    context-parallel ones: cp (ranks splitting one sequence) and dp_cp (dp x cp: the ranks
+    holding replicas of the same weights, over which ZeRO shards and gradients are averaged;
+    the same members as dp when cp = 1)."""
 
     tp: AxisGroup
     pp: AxisGroup
@@ -67,16 +70,18 @@ class ParallelState:
     world_rank: int
     world_size: int
     topology: Topology
+    cp: AxisGroup
+    dp_cp: AxisGroup
 
     @classmethod
     def single(cls) -> ParallelState:
         """One process, no torch.distributed: every axis has size 1."""
         one = AxisGroup.single()
         return cls(tp=one, pp=one, dp=one, mp=one, embedding=one, world_rank=0, world_size=1,
-                   topology=Topology(world_size=1, tp=1, pp=1))
+                   topology=Topology(world_size=1, tp=1, pp=1), cp=one, dp_cp=one)
 
     @classmethod
-    def build(cls, tp_size: int, pp_size: int, *,
+    def build(cls, tp_size: int, pp_size: int, *, cp_size: int = 1,
               directed_links: bool | None = None) -> ParallelState:
         """Create every group of the layout; a collective call: all ranks must make it.
 
@@ -90,13 +95,19 @@ class ParallelState:
             raise RuntimeError("ParallelState.build needs torch.distributed initialised; "
                                "use ParallelState.single() for one process")
         world_rank, world_size = dist.get_rank(), dist.get_world_size()
-        topo = Topology(world_size=world_size, tp=tp_size, pp=pp_size)
+        topo = Topology(world_size=world_size, tp=tp_size, pp=pp_size, cp=cp_size)
         if directed_links is None:
             directed_links = dist.get_backend() != "gloo"
         axes = {name: _create_groups(name, groups, world_rank, name == "pp" and directed_links
                                      and pp_size > 1) for name, groups in (
             ("tp", topo.tp_groups()), ("pp", topo.pp_groups()), ("dp", topo.dp_groups()),
             ("mp", topo.model_parallel_groups()), ("embedding", topo.embedding_groups()))}
+        if cp_size > 1:  # only then: a run without CP creates exactly the groups it did
+            axes["cp"] = _create_groups("cp", topo.cp_groups(), world_rank)
+            axes["dp_cp"] = _create_groups("dp_cp", topo.dp_cp_groups(), world_rank)
+        else:
+            axes["cp"] = AxisGroup.single(world_rank)
+            axes["dp_cp"] = axes["dp"]
         return cls(**axes, world_rank=world_rank, world_size=world_size, topology=topo)
 
     @property

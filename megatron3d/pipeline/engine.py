@@ -48,6 +48,7 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 class Batch(Protocol):
     tokens: torch.Tensor  # [b, s] token ids: the first stage's input
+    # token_info (optional): a cp.tokens.TokenInfo the engine hands to the stage's layers
 
 
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
@@ -140,7 +141,11 @@ class PipelineEngine:
     def _forward(self, step: Forward, batch: Batch, run: _Run, weight: float) -> None:
         key = (step.micro_batch, step.chunk)
         x = batch.tokens if self._first_virtual(step.chunk) else run.arrived("F", key)
-        y = self.chunks[step.chunk](x)
+        # Where the micro-batch's tokens sit (context parallelism, packed documents); None
+        # for a plain sequence, and on a middle stage that reads no data.
+        info = getattr(batch, "token_info", None)
+        chunk = self.chunks[step.chunk]
+        y = chunk(x) if info is None else chunk(x, info)
         if not self._last_virtual(step.chunk):
             run.outputs[key] = y  # [s(/tp), b, h]
             return

@@ -43,9 +43,11 @@ class Stage(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.first_index = first_index  # index of layers[0] in the full spec list
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, info: object | None = None) -> torch.Tensor:
+        """``info``: what the micro-batch says about its tokens (``cp.tokens.TokenInfo``),
+        handed to the layers that read it (``takes_token_info``); the pipeline only passes it."""
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, info) if getattr(layer, "takes_token_info", False) else layer(x)
         return x
 
 

@@ -82,7 +82,7 @@ def test_megatron_order_spot_checks() -> None:
     assert topo.model_parallel_groups() == [(0, 1, 4, 5, 8, 9, 12, 13),
                                             (2, 3, 6, 7, 10, 11, 14, 15)]
     assert topo.embedding_groups() == [(0, 12), (1, 13), (2, 14), (3, 15)]
-    assert topo.coords(13) == (1, 0, 3)
+    assert topo.coords(13) == (1, 0, 3, 0)
     assert topo.rank_of(tp_rank=1, dp_rank=1, pp_rank=2) == 11
 
 
@@ -114,3 +114,31 @@ def test_out_of_range_rank() -> None:
         topo.coords(4)
     with pytest.raises(ValueError, match="outside"):
         topo.rank_of(2, 0, 0)
+
+
+def test_context_parallel_ranks_sit_between_tensor_and_data_parallel() -> None:
+    """Megatron's order tp-cp-dp-pp: rank = ((pp*dp + dp_rank)*cp + cp_rank)*tp + tp_rank."""
+    topo = Topology(world_size=16, tp=2, pp=2, cp=2)
+    assert topo.dp == 2
+    for rank in range(16):
+        c = topo.coords(rank)
+        assert rank == ((c.pp_rank * 2 + c.dp_rank) * 2 + c.cp_rank) * 2 + c.tp_rank
+        assert topo.rank_of(c.tp_rank, c.dp_rank, c.pp_rank, c.cp_rank) == rank
+    assert topo.cp_groups()[:2] == [(0, 2), (1, 3)]
+    assert topo.dp_groups()[:2] == [(0, 4), (1, 5)]
+    assert topo.dp_cp_groups()[0] == (0, 2, 4, 6)
+    for groups in (topo.tp_groups(), topo.cp_groups(), topo.dp_groups(), topo.dp_cp_groups(),
+                   topo.pp_groups()):  # each axis's groups partition the world
+        assert sorted(r for g in groups for r in g) == list(range(16))
+    assert topo.model_parallel_groups()[0] == (0, 1, 8, 9)
+
+
+def test_without_context_parallelism_the_groups_are_unchanged() -> None:
+    plain, with_cp = Topology(8, tp=2, pp=2), Topology(8, tp=2, pp=2, cp=1)
+    assert plain.dp_cp_groups() == plain.dp_groups() == with_cp.dp_groups()
+    assert "cp" not in plain.table().splitlines()[1]
+
+
+def test_a_world_that_context_parallelism_does_not_divide_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--context-parallel-size"):
+        Topology(world_size=6, tp=1, pp=1, cp=4)
