@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from megatron3d.cp.tokens import TokenInfo
+
 
 class TokenDataset(Protocol):
     def samples(self, start: int, count: int) -> torch.Tensor:
@@ -23,6 +25,9 @@ class MicroBatch:
     tokens: torch.Tensor  # [b, s] inputs
     labels: torch.Tensor  # [b, s] next tokens
     loss_mask: torch.Tensor  # [b, s] 1.0 where the token counts in the loss
+    # where the tokens sit (positions, documents, a context-parallel shard); None for a
+    # whole sequence in order, one document per sample
+    token_info: TokenInfo | None = None
 
     @property
     def num_tokens(self) -> int:
