@@ -14,10 +14,12 @@ from megatron3d.cp.attention import context_attention
 from megatron3d.cp.layout import rank_index, shard
 from megatron3d.cp.tokens import TokenInfo
 from megatron3d.data.documents import Documents
+from megatron3d.data.sampler import micro_batches
 from megatron3d.model.gpt import build_gpt, lm_loss
 from megatron3d.model.positional import alibi_slopes
 from megatron3d.mpu.state import ParallelState
 from tests.helpers.dist import run_distributed
+from tests.helpers.host_sync import no_host_sync
 from tests.helpers.tiny import layer_context, model_config
 from tests.helpers.tolerances import FP32
 
@@ -187,3 +189,23 @@ def test_documents_across_context_parallel_chunks_equal_sdpa_with_their_mask():
                 torch.testing.assert_close(
                     got, shard(want, 2, 2, rank), **FP32,
                     msg=lambda m, n=name, r=rank, a=alibi: f"rank {r} {n} alibi={a}: {m}")
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_packed_micro_batches_train_without_a_host_sync(flavour):
+    """The documents are found, and the model runs forward and backward over them, with
+    every device -> host transfer patched to raise (the hot-path rule)."""
+    cfg = model_config(flavour, **FLAVOURS[flavour])
+    ctx = layer_context(cfg)
+    model = build_gpt(ctx)
+    sample = torch.randint(0, EOD + 1, (4, cfg.seq_length + 1),
+                           generator=torch.Generator().manual_seed(5))
+
+    class Samples:
+        def samples(self, start: int, count: int) -> torch.Tensor:
+            return sample[start:start + count]
+
+    rule = Documents(EOD, mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+    with no_host_sync():
+        for mb in micro_batches(Samples(), 0, 4, 2, 0, 1, torch.device("cpu"), rule):
+            lm_loss(model(mb.tokens, mb.token_info), mb.labels, mb.loss_mask, ctx).backward()
