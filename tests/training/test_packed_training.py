@@ -1,6 +1,6 @@
 """Training on packed documents (--reset-position-ids, --reset-attention-mask,
 --eod-mask-loss) trains the same model under TP x PP (sequence parallel, interleaved, full
-recompute) and with middle pipeline stages (which then read the tokens: their attention
+and selective recompute) and with middle pipeline stages (which then read the tokens: their attention
 needs the documents) as in one process: losses, grad norms, parameters, validation loss."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ VARIANTS = {  # label: (flavour, model flags, layout and features)
         "gpt2", (), ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
                      "2", "--num-layers-per-virtual-pipeline-stage", "1",
                      "--sequence-parallel", "--recompute-granularity", "full")),
+    "bloom, TP2 x PP2, selective recompute": (
+        "bloom", (), ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                      "2", "--recompute-granularity", "selective")),
     "llama GQA, PP4 (two middle stages)": (
         "llama", GQA, ("--pipeline-model-parallel-size", "4", "--pp-partition-method",
                        "type:transformer")),
