@@ -38,11 +38,6 @@ class Documents:
             return None
         return cls(eod, data.eod_mask_loss, data.reset_position_ids, data.reset_attention_mask)
 
-    @property
-    def resets(self) -> bool:
-        """Whether the model reads where the documents lie (every pipeline stage must)."""
-        return self.reset_position_ids or self.reset_attention_mask
-
     def loss_mask(self, tokens: torch.Tensor) -> torch.Tensor:
         """float32 [b, s]: 1 where the token counts in the loss."""
         if self.mask_loss:
@@ -53,7 +48,7 @@ class Documents:
         """Where each token of ``tokens`` [b, s] sits, with only the fields the flags ask
         for; None without a reset flag. A token's document is the count of EODs before it;
         its position, its distance from the token after the last EOD before it."""
-        if not self.resets:
+        if not (self.reset_position_ids or self.reset_attention_mask):
             return None
         s = tokens.shape[1]
         index = torch.arange(s, device=tokens.device)
@@ -67,6 +62,12 @@ class Documents:
             starts = torch.cat([starts.new_zeros(tokens.shape[0], 1), starts[:, :-1]], dim=1)
             position_ids = index - starts
         return TokenInfo(index=index, position_ids=position_ids, doc_ids=doc_ids)
+
+
+def every_stage_reads_tokens(data: DataConfig) -> bool:
+    """Whether the model's layers read where the documents lie: then every pipeline stage,
+    not only the first and the last, needs the tokens to find them."""
+    return data.reset_position_ids or data.reset_attention_mask
 
 
 def check_document_flags(data: DataConfig) -> None:

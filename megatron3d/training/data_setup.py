@@ -23,6 +23,7 @@ from megatron3d.data.builder import (
     check_sources_exist,
     dry_run_report,
 )
+from megatron3d.data.documents import every_stage_reads_tokens
 from megatron3d.data.mock import MockGPTDataset
 from megatron3d.data.sampler import TokenDataset, UnreadDataset
 from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
@@ -67,7 +68,7 @@ def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int,
     others, in one collective, whether the test split has samples: every stage must run the
     same evaluations), unless its attention reads where packed documents lie
     (--reset-position-ids, --reset-attention-mask): then it reads the tokens too."""
-    if pp is not None and 0 < pp.rank < pp.size - 1 and not _reads_documents(cfg):
+    if pp is not None and 0 < pp.rank < pp.size - 1 and not every_stage_reads_tokens(cfg.data):
         data = _unread(cfg)
     else:
         data = _read(cfg, train_samples, valid_samples)
@@ -106,11 +107,6 @@ def _read(cfg: TrainConfig, train_samples: int, valid_samples: int) -> Datasets:
         raise ConfigError(f"the validation split is empty (--split={cfg.data.split!r}) but "
                           "--eval-iters > 0: give validation a share or pass --eval-iters 0")
     return Datasets(tokenizer.vocab_size, sets.train, sets.valid, sets.test, tokenizer.eod)
-
-
-def _reads_documents(cfg: TrainConfig) -> bool:
-    """Whether every layer's attention needs the tokens (where each document starts)."""
-    return cfg.data.reset_position_ids or cfg.data.reset_attention_mask
 
 
 def dry_run(cfg: TrainConfig, train_samples: int, valid_samples: int) -> str:

@@ -1,7 +1,8 @@
 """Training on packed documents (--reset-position-ids, --reset-attention-mask,
 --eod-mask-loss) trains the same model under TP x PP (sequence parallel, interleaved, full
-and selective recompute) and with middle pipeline stages (which then read the tokens: their attention
-needs the documents) as in one process: losses, grad norms, parameters, validation loss."""
+and selective recompute) and with middle pipeline stages (which then read the tokens: their
+attention needs the documents) as in one process: losses, grad norms, parameters, validation
+loss; for GPT-2 (learned positions), BLOOM (ALiBi) and Llama (RoPE, GQA)."""
 
 from __future__ import annotations
 
