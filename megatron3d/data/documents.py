@@ -58,7 +58,7 @@ class Documents:
             doc_ids = ends.long().cumsum(dim=1) - ends.long()  # EODs strictly before
         if self.reset_position_ids:
             after_end = torch.where(ends, index + 1, 0)  # where the next document starts
-            starts = after_end.cummax(dim=1).values  # the latest start at or before i + 1
+            starts = after_end.cummax(dim=1).values  # at i: the start of token i + 1's document
             starts = torch.cat([starts.new_zeros(tokens.shape[0], 1), starts[:, :-1]], dim=1)
             position_ids = index - starts
         return TokenInfo(index=index, position_ids=position_ids, doc_ids=doc_ids)
