@@ -36,6 +36,7 @@ from megatron3d.config import (
     TrainConfig,
 )
 from megatron3d.data.builder import parse_split
+from megatron3d.data.documents import check_document_flags
 from megatron3d.data.tokenizer import TokenizerSpec
 from megatron3d.data.vocab_padding import check_vocab_padding
 from megatron3d.errors import ConfigError
@@ -74,8 +75,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_layout(cfg, world_size)
     _check_lr_schedule(cfg, world_size)
     _check_checkpoint(cfg.checkpoint, cfg.lr_schedule.override_opt_param_scheduler,
-                      cfg.lr_schedule.use_checkpoint_opt_param_scheduler,
-                      cfg.training.skip_train)
+                      cfg.lr_schedule.use_checkpoint_opt_param_scheduler, cfg.training.skip_train)
     local_flags.check_non_persistent(cfg.checkpoint)
     _check_zero(cfg)
     _check_watchdog(cfg)
@@ -131,6 +131,7 @@ def _words(bounds: Range, symbols: bool = False) -> str:
 
 def _check_data(data: DataConfig, model: ModelConfig) -> None:
     parse_split(data.split)  # its owner's check, before any process starts
+    check_document_flags(data)  # --eod-mask-loss and the reset flags need an EOD token
     sources = {name: getattr(data, name) for name in ("mock_data", "data_path", "data_path_file",
                                                       "train_data_path")
                if getattr(data, name)}
@@ -148,7 +149,7 @@ def _check_data(data: DataConfig, model: ModelConfig) -> None:
         return
     null = data.tokenizer_type == "NullTokenizer"  # Megatron's mock runs name it: harmless
     for name, value in (("tokenizer_type", None if null else data.tokenizer_type),
-                        ("eod_mask_loss", data.eod_mask_loss), ("dry_run_data", data.dry_run_data)):
+                        ("dry_run_data", data.dry_run_data)):
         if value:
             raise _error(f"--mock-data has no tokenizer, so {flag(name)} does not apply",
                          {name: value}, f"drop {flag(name)} or use --data-path")
@@ -197,8 +198,7 @@ def _check_model(model: ModelConfig) -> None:
     if model.kv_channels not in (None, hidden // heads):
         raise _error(
             "--kv-channels must be hidden size / heads: every head here has that many channels",
-            {"kv_channels": model.kv_channels, "hidden_size": hidden,
-             "num_attention_heads": heads},
+            {"kv_channels": model.kv_channels, "hidden_size": hidden, "num_attention_heads": heads},
             f"drop --kv-channels or set it to {hidden // heads}")
     _check_query_groups(model)
     if model.position_embedding_type == "rope" and model.head_dim % 2:

@@ -65,6 +65,10 @@ BAD = {
                                       "data_path": ("d",), "tokenizer_type": "NullTokenizer"}, 1,
                                      ["NullTokenizer needs --vocab-size"]),
     "eod mask with mock data": ({"eod_mask_loss": True}, 1, ["--eod-mask-loss=True"]),
+    "reset positions with mock data": ({"reset_position_ids": True}, 1,
+                                       ["--reset-position-ids=True", "end-of-document"]),
+    "reset mask with mock data": ({"reset_attention_mask": True}, 1,
+                                  ["--reset-attention-mask=True", "end-of-document"]),
     "mock without vocab": ({"vocab_size": None}, 1, ["--vocab-size=None"]),
     # sizes and ranges
     "zero layers": ({"num_layers": 0}, 1, ["--num-layers=0", "in [1, 65536]"]),

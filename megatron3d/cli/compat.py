@@ -243,10 +243,9 @@ TABLE: tuple[CompatFlag, ...] = (
              "states so that a resume is exact; tools/checkpoint/consolidate.py writes the "
              "weights alone"),
     *_refuse("--fp32-residual-connection --apply-layernorm-1p --init-method-xavier-uniform "
-             "--reset-position-ids --reset-attention-mask --data-parallel-random-init "
-             "--checkpoint-in-cpu --partition-activations", "not supported by megatron3d: "
-             "drop the flag (for activation memory, --sequence-parallel keeps activations "
-             "sharded over the tensor-parallel ranks)"),
+             "--data-parallel-random-init --checkpoint-in-cpu --partition-activations",
+             "not supported by megatron3d: drop the flag (for activation memory, "
+             "--sequence-parallel keeps activations sharded over the tensor-parallel ranks)"),
     *_refuse("--world-size --rank", "the launcher's WORLD_SIZE and RANK set them", nargs=1),
 )
 BY_NAME: Mapping[str, CompatFlag] = {flag.name: flag for flag in TABLE}

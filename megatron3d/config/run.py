@@ -45,6 +45,11 @@ class DataConfig:
         False, "Print each source's weight, samples drawn and implied epochs, then exit.")
     eod_mask_loss: bool = option(
         False, "No loss on positions whose input token is end-of-document.")
+    reset_position_ids: bool = option(
+        False, "Packed documents: positions restart at 0 after each end-of-document token.")
+    reset_attention_mask: bool = option(
+        False, "Packed documents: a token attends only to earlier tokens of its own document "
+        "(the end-of-document token belongs to the one it ends).")
 
 
 @dataclass(frozen=True, kw_only=True)

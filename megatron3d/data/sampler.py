@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from megatron3d.cp.tokens import TokenInfo
+from megatron3d.data.documents import Documents
 
 
 class TokenDataset(Protocol):
@@ -56,11 +57,12 @@ class UnreadDataset:
 
 def micro_batches(dataset: TokenDataset, consumed: int, global_batch_size: int,
                   micro_batch_size: int, dp_rank: int, dp_size: int,
-                  device: torch.device, eod: int | None = None) -> list[MicroBatch]:
+                  device: torch.device, documents: Documents | None = None) -> list[MicroBatch]:
     """This rank's micro-batches of the global batch that starts at ``consumed``.
 
-    With ``eod``, positions whose input token is end-of-document get no loss
-    (``--eod-mask-loss``: do not learn to predict across a document boundary)."""
+    ``documents``: what the end-of-document token does (``--eod-mask-loss``: no loss where
+    it is the input, do not learn to predict across a boundary; the reset flags: the
+    micro-batch's ``token_info``)."""
     per_rank = global_batch_size // dp_size
     if isinstance(dataset, UnreadDataset):
         return [UNREAD_BATCH] * (per_rank // micro_batch_size)
@@ -69,9 +71,10 @@ def micro_batches(dataset: TokenDataset, consumed: int, global_batch_size: int,
     result = []
     for chunk in samples.split(micro_batch_size):
         tokens, labels = chunk[:, :-1], chunk[:, 1:]
-        if eod is None:
+        if documents is None:
             mask = torch.ones(labels.shape, dtype=torch.float32, device=device)
+            info = None
         else:
-            mask = (tokens != eod).to(torch.float32)
-        result.append(MicroBatch(tokens=tokens, labels=labels, loss_mask=mask))
+            mask, info = documents.loss_mask(tokens), documents.token_info(tokens)
+        result.append(MicroBatch(tokens=tokens, labels=labels, loss_mask=mask, token_info=info))
     return result

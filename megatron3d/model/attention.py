@@ -103,11 +103,16 @@ class SelfAttention(nn.Module):
         copied) -> [b, heads, s, d]. What selective recompute re-runs. Given ``info`` (a
         split sequence, packed documents) the mask and bias come from it (``cp/``)."""
         dropout = self.dropout_p if self.training else 0.0
+        cp = self.ctx.cp
         with self.ctx.tp_region_rng():  # each TP rank drops out its own heads
-            if info is None:
+            if info is None or (cp.size == 1 and info.doc_ids is None):
+                # the whole sequence, one attention span (positions restarting at documents
+                # only move RoPE and learned positions): the kernel's own causal mask
                 bias = (None if self.alibi is None
                         else self.alibi.get(q.shape[2], q.dtype, q.device))
                 return attention(q, k, v, bias, dropout)
-            slopes = None if self.alibi is None else self.alibi.slopes.to(q.device)
-            return context_attention(q, k, v, info, self.ctx.cp, slopes, dropout,
-                                     self.ctx.cp_comm_type)
+            slopes = None
+            if self.alibi is not None:  # the distance in the sequence, whatever the positions
+                slopes = self.alibi.slopes.to(q.device)
+                info = TokenInfo(info.index, doc_ids=info.doc_ids)
+            return context_attention(q, k, v, info, cp, slopes, dropout, self.ctx.cp_comm_type)

@@ -26,6 +26,7 @@ from megatron3d.checkpoint.local.setup import LocalCheckpoints, open_local
 from megatron3d.checkpoint.progress import Progress, new_series
 from megatron3d.checkpoint.reader import find
 from megatron3d.config import TrainConfig
+from megatron3d.data.documents import Documents
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.data.vocab_padding import check_vocab_padding
 from megatron3d.log import every_rank_logger, get_logger
@@ -175,10 +176,11 @@ def _run_data(data: Datasets, cfg: TrainConfig, state: ParallelState, dev: torch
     """Each split's micro-batches for this rank, by position: training by consumed samples
     and batch size, evaluation by its iteration (the same batches at every evaluation)."""
     mbs, gbs = cfg.training.micro_batch_size, schedule.global_batch_size
+    documents = Documents.of(cfg.data, data.eod)
 
     def reader(dataset: TokenDataset) -> Callable[[int, int], list[MicroBatch]]:
         return lambda consumed, size: micro_batches(dataset, consumed, size, mbs, state.dp.rank,
-                                                    state.dp.size, dev, data.eod)
+                                                    state.dp.size, dev, documents)
 
     def evaluation(dataset: TokenDataset) -> Callable[[int], list[MicroBatch]]:
         read = reader(dataset)

@@ -23,6 +23,7 @@ from megatron3d.data.builder import (
     check_sources_exist,
     dry_run_report,
 )
+from megatron3d.data.documents import every_stage_reads_tokens
 from megatron3d.data.mock import MockGPTDataset
 from megatron3d.data.sampler import TokenDataset, UnreadDataset
 from megatron3d.data.tokenizer import TokenizerSpec, build_tokenizer
@@ -45,7 +46,7 @@ class Datasets:
     train: TokenDataset
     valid: TokenDataset | None
     test: TokenDataset | None  # None when --split gives the test split no documents
-    eod: int | None  # the token whose positions are masked out of the loss, if any
+    eod: int | None  # the tokenizer's end-of-document token (None for mock data)
 
 
 class _Offset:
@@ -65,8 +66,9 @@ def build_run_data(cfg: TrainConfig, train_samples: int, valid_samples: int,
     Only the first and the last pipeline stage (``pp``) use tokens, labels and loss masks;
     a middle stage opens no dataset file and gets ``UnreadDataset``s (it learns from the
     others, in one collective, whether the test split has samples: every stage must run the
-    same evaluations)."""
-    if pp is not None and 0 < pp.rank < pp.size - 1:
+    same evaluations), unless its attention reads where packed documents lie
+    (--reset-position-ids, --reset-attention-mask): then it reads the tokens too."""
+    if pp is not None and 0 < pp.rank < pp.size - 1 and not every_stage_reads_tokens(cfg.data):
         data = _unread(cfg)
     else:
         data = _read(cfg, train_samples, valid_samples)
@@ -104,8 +106,7 @@ def _read(cfg: TrainConfig, train_samples: int, valid_samples: int) -> Datasets:
                               "or --eval-iters 0")
         raise ConfigError(f"the validation split is empty (--split={cfg.data.split!r}) but "
                           "--eval-iters > 0: give validation a share or pass --eval-iters 0")
-    return Datasets(tokenizer.vocab_size, sets.train, sets.valid, sets.test,
-                   tokenizer.eod if cfg.data.eod_mask_loss else None)
+    return Datasets(tokenizer.vocab_size, sets.train, sets.valid, sets.test, tokenizer.eod)
 
 
 def dry_run(cfg: TrainConfig, train_samples: int, valid_samples: int) -> str:
