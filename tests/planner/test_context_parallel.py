@@ -107,6 +107,9 @@ def test_states_shard_over_dp_x_cp_and_activations_over_cp():
     # DP 2 runs 1 micro-batch of 2 samples per step, CP 2 two of 2 half-sequences:
     # per micro-batch the CP rank keeps half the DP rank's.
     assert in_flight[1] * 2 == in_flight[0]
+    wire = [layout_memory(_cfg("--zero-stage", "1", "--grad-reduce-in-bf16", cp=c), 2, "cpu")[0]
+            .phase("train").part("reducer bf16 copies") for c in (1, 2)]
+    assert wire[0] > 0 and wire[1] == wire[0]  # the bf16 copies of a reduction over 2 ranks
 
 
 def test_each_rank_pays_for_the_cp_communicators():
