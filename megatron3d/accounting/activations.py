@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron3d.accounting.context_parallel import Split, kept_bytes
 from megatron3d.config import ModelConfig
 from megatron3d.model.context import LayerContext
 from megatron3d.model.transformer import TransformerLayer
@@ -52,8 +53,9 @@ def paper_layer_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
 
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
                            sequence_parallel: bool, dtype: torch.dtype,
-                           device_type: str = "cuda") -> dict[str, int]:
-    """Bytes one transformer layer keeps for backward on one TP rank, term by term.
+                           device_type: str = "cuda", cp: int = 1,
+                           cp_comm_type: str = "p2p") -> dict[str, int]:
+    """Bytes one transformer layer keeps for backward on one TP (and CP) rank, term by term.
 
     Assumes SDPA's flash kernel (on the CPU: without attention dropout), which keeps q, k, v,
     its output and the fp32 log-sum-exp, and the torch norms (not apex). ``M`` tokens of the
@@ -79,9 +81,13 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
     - dropout masks: one byte per element of the [N, h] attention and MLP outputs.
 
     Full recompute keeps only the layer input [N, h].
+
+    Under context parallelism (``cp`` > 1) every term counts the rank's s/C tokens, its
+    queries see the whole sequence (the scores are [s/C, s]), and the exchange keeps what
+    ``context_parallel.kept_bytes`` says (a recomputed attention core keeps none of it).
     """
     e = dtype.itemsize
-    s, b, h, t = cfg.seq_length, micro_batch, cfg.hidden_size, tp
+    s, b, h, t = cfg.seq_length // cp, micro_batch, cfg.hidden_size, tp
     big = s * b  # M: tokens inside the TP region
     small = big // t if sequence_parallel else big  # N: tokens outside it
     if cfg.recompute == "full":
@@ -98,10 +104,11 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, tp: int,
         "q, k, v": (FP32 if math else e) * big * (heads + 2 * groups) * d,
         "attention output": e * big * heads * d,
         "log-sum-exp": FP32 * b * heads * s if cfg.recompute is None and not math else 0,
-        "attention scores": 3 * FP32 * b * heads * s * s if math else 0,
+        "attention scores": 3 * FP32 * b * heads * s * cfg.seq_length if math else 0,
         "fc1 input": e * small * h,
         "MLP": e * big * f * (4 if cfg.swiglu else 2),
         "dropout masks": 2 * small * h if cfg.hidden_dropout > 0 else 0,
+        **(kept_bytes(Split(cfg, b, t, cp, cp_comm_type, e)) if cfg.recompute is None else {}),
     }
     return {name: size for name, size in terms.items() if size}
 

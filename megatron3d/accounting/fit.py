@@ -21,13 +21,14 @@ from megatron3d.optim.batch_schedule import BatchSchedule
 
 GIB = 2**30
 BuffersOf = Callable[[TrainConfig, int, Placement, int], Buffers]
-"""(the layout's config, its DP size, its placement, a pipeline rank) -> the rank's ZeRO
-buffers."""
+"""(the layout's config, its replicas of the weights (DP x CP), its placement, a pipeline
+rank) -> the rank's ZeRO buffers."""
 
 
-def rank_buffers(cfg: TrainConfig, dp: int, where: Placement, rank: int) -> Buffers:
-    """``planned_buffers`` of pipeline rank ``rank``: its chunks built on the meta device."""
-    return planned_buffers(cfg, cfg.parallel.tensor_model_parallel_size, dp,
+def rank_buffers(cfg: TrainConfig, replicas: int, where: Placement, rank: int) -> Buffers:
+    """``planned_buffers`` of pipeline rank ``rank``: its chunks built on the meta device,
+    ZeRO sharding over the ``replicas`` (context-parallel ranks hold the same weights)."""
+    return planned_buffers(cfg, cfg.parallel.tensor_model_parallel_size, replicas,
                            list(where.spans[rank]))
 
 
@@ -45,18 +46,22 @@ def layout_memory(cfg: TrainConfig, world_size: int, device_type: str = "cuda",
     schedule = BatchSchedule.from_config(cfg.training, dp)
     micro_batches = schedule.global_batch_size // schedule.samples_per_micro_batch_step
     padded_vocab = cfg.model.padded_vocab_size(parallel.tensor_model_parallel_size)
-    return [rank_memory(cfg, buffers_of(cfg, dp, where, r), dp, r, micro_batches,
+    replicas = dp * parallel.context_parallel_size
+    return [rank_memory(cfg, buffers_of(cfg, replicas, where, r), dp, r, micro_batches,
                         where.chunk_names(r), padded_vocab, device_type)
             for r in range(parallel.pipeline_model_parallel_size)]
 
 
-def format_phases(rank: RankMemory, pp_rank: int) -> str:
-    """The start-up line of a rank's predicted peak per phase (``peak.py``), in GiB."""
+def format_phases(rank: RankMemory, pp_rank: int, cp: int = 1, cp_comm_type: str = "") -> str:
+    """The start-up line of a rank's predicted peak per phase (``peak.py``), in GiB; under
+    context parallelism (``cp`` > 1) it says so, and which exchange the prediction is for."""
     phases = " | ".join(f"{p.phase} {p.total / GIB:.3f}" + ("" if p.phase in rank.runs
                                                              else " (not run)")
                         for p in rank.phases)
-    return (f"memory predicted for pipeline rank {pp_rank} (GiB, tensors + allocator, CUDA "
-            f"and NCCL): {phases} | peak {rank.peak.phase}")
+    split = (f", context-parallel {cp} ({cp_comm_type}): 1/{cp} of each sequence"
+             if cp > 1 else "")
+    return (f"memory predicted for pipeline rank {pp_rank}{split} (GiB, tensors + allocator, "
+            f"CUDA and NCCL): {phases} | peak {rank.peak.phase}")
 
 
 def usable_bytes(capacity: int, headroom: float) -> int:

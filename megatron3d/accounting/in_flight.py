@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron3d.accounting.activations import FP32, layer_activation_bytes
+from megatron3d.accounting.context_parallel import Split
 from megatron3d.config import ModelConfig
 from megatron3d.pipeline.instructions import Backward, Forward
 from megatron3d.pipeline.interleaved import interleaved_1f1b
@@ -29,8 +30,9 @@ TOKEN_ID_BYTES = 8  # int64 ids the embedding lookup keeps
 @dataclass(frozen=True)
 class Activations:
     """What sizes an activation: the model, and per rank the micro-batch, TP size, sequence
-    parallelism, dtype, and the device type whose kernels keep it (norm statistics are fp32
-    on CUDA, in the activation dtype on the CPU)."""
+    parallelism, dtype, the device type whose kernels keep it (norm statistics are fp32
+    on CUDA, in the activation dtype on the CPU), and the context-parallel size and
+    exchange (each rank holds s/C tokens of a sequence)."""
 
     model: ModelConfig
     micro_batch: int
@@ -38,11 +40,19 @@ class Activations:
     sequence_parallel: bool
     dtype: torch.dtype
     device_type: str = "cuda"
+    cp: int = 1
+    cp_comm_type: str = "p2p"
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch: M, those inside the TP region."""
-        return self.model.seq_length * self.micro_batch
+        """This rank's tokens of one micro-batch: M, those inside the TP region."""
+        return self.model.seq_length // self.cp * self.micro_batch
+
+    @property
+    def split(self) -> Split:
+        """The attention's context-parallel split (``context_parallel.py``)."""
+        return Split(self.model, self.micro_batch, self.tp, self.cp, self.cp_comm_type,
+                     self.dtype.itemsize)
 
     @property
     def outside(self) -> int:
@@ -90,7 +100,7 @@ def _layer_terms(sizes: Activations, recompute: bool) -> dict[str, int]:
         model = dataclasses.replace(model, checkpoint_activations=False,
                                     recompute_granularity=None)
     return layer_activation_bytes(model, sizes.micro_batch, sizes.tp, sizes.sequence_parallel,
-                                  sizes.dtype, sizes.device_type)
+                                  sizes.dtype, sizes.device_type, sizes.cp, sizes.cp_comm_type)
 
 
 @functools.cache

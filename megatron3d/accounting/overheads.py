@@ -39,13 +39,17 @@ ALLOCATOR_FRAGMENTATION = 0.15
 SAVE_STAGING_BYTES = 64 * MIB
 
 
-def nccl_groups(tp: int, pp: int, dp: int, tied: bool, pp_rank: int) -> dict[str, int]:
+def nccl_groups(tp: int, pp: int, dp: int, tied: bool, pp_rank: int,
+                cp: int = 1) -> dict[str, int]:
     """The process groups pipeline rank ``pp_rank`` of a layout runs NCCL on, name -> size:
     the world (the config check at start, the exit watch each step), TP (the layers'
     collectives), PP (activations, batched point-to-point), DP (gradients, the loss),
     model-parallel (the gradient norm) and, with tied embeddings, the embedding group of the
-    first and last stage. A group of one rank runs nothing."""
-    groups = {"world": tp * pp * dp, "tp": tp, "pp": pp, "dp": dp, "model-parallel": tp * pp,
+    first and last stage; with context parallelism also CP (attention's exchange) and DP x CP
+    (the gradients of the weights' replicas; DP keeps the loss). A group of one rank runs
+    nothing."""
+    groups = {"world": tp * pp * dp * cp, "tp": tp, "pp": pp, "dp": dp, "cp": cp,
+              "dp-cp": dp * cp if cp > 1 else 1, "model-parallel": tp * pp,
               "embedding": 2 if tied and pp > 1 and pp_rank in (0, pp - 1) else 1}
     return {name: size for name, size in groups.items() if size > 1}
 

@@ -112,20 +112,23 @@ def rank_memory(cfg: TrainConfig, buffers: Buffers, dp: int, rank: int, micro_ba
                 chunk_names: list[Sequence[str]], padded_vocab: int,
                 device_type: str = "cuda") -> RankMemory:
     """Every phase of pipeline rank ``rank`` of ``cfg``'s layout, holding the chunks whose
-    layer type names are ``chunk_names``, with its ZeRO ``buffers``, ``dp`` data-parallel
-    ranks and ``micro_batches`` per step (the largest of the ramp)."""
+    layer type names are ``chunk_names``, with its ZeRO ``buffers`` (sharded over the DP x
+    CP replicas), ``dp`` data-parallel ranks and ``micro_batches`` per step (the largest of
+    the ramp). Under context parallelism each rank holds s/C tokens of every sequence."""
     parallel, model = cfg.parallel, cfg.model
     tp, pp, zero = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                     parallel.zero_stage)
+    cp = parallel.context_parallel_size
     dtype = getattr(torch, cfg.precision.params_dtype_name)
     e = dtype.itemsize
-    states = state_bytes(buffers, e, zero, dp, BF16 if parallel.grad_reduce_in_bf16 else FP32)
+    states = state_bytes(buffers, e, zero, dp * cp,
+                         BF16 if parallel.grad_reduce_in_bf16 else FP32)
     sizes = Activations(model, cfg.training.micro_batch_size, tp, parallel.sequence_parallel,
-                        dtype, device_type)
+                        dtype, device_type, cp, parallel.cp_comm_type)
     names = [name for chunk in chunk_names for name in chunk]
     held = transients.model_buffers(sizes, names)
-    kept = {"reducer bf16 copies": wire_bytes(buffers, zero, dp, parallel.grad_reduce_in_bf16),
-            **held}
+    kept = {"reducer bf16 copies": wire_bytes(buffers, zero, dp * cp,
+                                              parallel.grad_reduce_in_bf16), **held}
     steady = {**dict(zip(STATE_PARTS, (states.params, states.grads, states.optimizer_state),
                          strict=True)), **kept}
     messages = {"pipeline messages": transients.pipeline_messages(sizes, pp)}
@@ -143,7 +146,8 @@ def rank_memory(cfg: TrainConfig, buffers: Buffers, dp: int, rank: int, micro_ba
         "save": {**steady, "save staging": overheads.SAVE_STAGING_BYTES},
     }
     on_cuda = device_type == "cuda"
-    nccl = overheads.nccl_bytes(overheads.nccl_groups(tp, pp, dp, model.tie_embeddings, rank))
+    nccl = overheads.nccl_bytes(overheads.nccl_groups(tp, pp, dp, model.tie_embeddings, rank,
+                                                      cp))
     return RankMemory(tuple(
         PhaseMemory(phase, tuple((name, size) for name, size in parts[phase].items() if size),
                     overheads.CUDA_CONTEXT_BYTES if on_cuda else 0, nccl if on_cuda else 0,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron3d.accounting.activations import FP32
+from megatron3d.accounting.context_parallel import backward_buffers, forward_buffers
 from megatron3d.accounting.in_flight import Activations
 
 
@@ -23,13 +24,15 @@ def mlp_widths(sizes: Activations) -> tuple[int, int]:
 
 def model_buffers(sizes: Activations, names: Sequence[str]) -> dict[str, int]:
     """Tensors the rank's layers hold beside their parameters: the ALiBi bias [1, n/t, s, s]
-    in the activation dtype, one per rank (``LayerContext.alibi``), and each attention
+    in the activation dtype, one per rank (``LayerContext.alibi``; under context parallelism
+    each layer builds its own for its tokens instead, an activation), and each attention
     layer's rotary tables, cos and sin [s, 1, 1, d] in fp32."""
     model, layers = sizes.model, names.count("TransformerLayer")
     s, heads = model.seq_length, model.num_attention_heads // sizes.tp
     alibi = sizes.dtype.itemsize * heads * s * s if layers else 0
     rotary = 2 * FP32 * s * model.head_dim * layers
-    found = {"ALiBi bias": alibi if model.position_embedding_type == "alibi" else 0,
+    shared = model.position_embedding_type == "alibi" and sizes.cp == 1
+    found = {"ALiBi bias": alibi if shared else 0,
              "rotary tables": rotary if model.position_embedding_type == "rope" else 0}
     return {name: size for name, size in found.items() if size}
 
@@ -50,7 +53,9 @@ def backward_working_set(sizes: Activations, names: Sequence[str], padded_vocab:
       them into the fp32 buffer and frees them;
     - the input embedding's weight gradient [v/t, h] (dense, model dtype) beside the
       gradient reaching it [N, h] (and, with hidden dropout, the dropout's input gradient);
-    - the LM head's logits [s, b, v/t] (or their gradient) and its weight gradient [v/t, h].
+    - the LM head's logits [s, b, v/t] (or their gradient) and its weight gradient [v/t, h];
+    - under context parallelism, an attention backward's exchange buffers
+      (``context_parallel.backward_buffers``) beside the residual stream's gradient.
     """
     e, model = sizes.dtype.itemsize, sizes.model
     h, tokens = model.hidden_size, sizes.tokens
@@ -65,6 +70,8 @@ def backward_working_set(sizes: Activations, names: Sequence[str], padded_vocab:
         candidates.append(stream + gradient + max(gradient, e * fc1 * h + stream))
         if model.normalization == "rmsnorm":
             candidates.append(stream + (4 * FP32 + 3 * e) * sizes.outside * h)
+    if "TransformerLayer" in names and sizes.cp > 1:
+        candidates.append(stream + backward_buffers(sizes.split))
     if "InputEmbedding" in names:
         candidates.append(table + stream * (2 if model.hidden_dropout > 0 else 1))
     if "OutputEmbedding" in names:
@@ -74,11 +81,12 @@ def backward_working_set(sizes: Activations, names: Sequence[str], padded_vocab:
 
 def forward_working_set(sizes: Activations, names: Sequence[str], padded_vocab: int) -> int:
     """The most an evaluation forward (no gradients, nothing kept) allocates at once: a
-    layer's tensors, bounded by what it would keep for backward, or the head's logits and
-    the loss's fp32 buffer of them."""
+    layer's tensors, bounded by what it would keep for backward (and the ring's K/V chunks
+    in flight under context parallelism), or the head's logits and the loss's fp32 buffer
+    of them."""
     candidates = [0]
     if "TransformerLayer" in names:
-        candidates.append(sizes.layer(recompute=False))
+        candidates.append(sizes.layer(recompute=False) + forward_buffers(sizes.split))
     if "OutputEmbedding" in names:
         candidates.append(sizes.logits(padded_vocab) + sizes.loss(padded_vocab))
     return max(candidates)

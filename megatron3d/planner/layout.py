@@ -1,6 +1,6 @@
 """One candidate layout and the training config that runs it.
 
-A ``Layout`` is every choice the planner makes: TP, PP (DP follows from the world size),
+A ``Layout`` is every choice the planner makes: TP, PP, CP (DP follows from the world size),
 micro-batch size, ZeRO stage, recompute, the pipeline partition method, the model chunks
 per pipeline rank and sequence parallelism. ``apply`` writes it into the user's
 ``TrainConfig``, so validation, the memory model and the time model all read the same config
@@ -28,6 +28,13 @@ class Layout:
     partition_method: str
     virtual: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     sequence_parallel: bool = False  # only with TP > 1
+    cp: int = 1  # context-parallel size: ranks splitting each sequence
+    cp_comm_type: str = "p2p"  # their exchange (the user's, not searched)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, over which ZeRO shards: DP x CP."""
+        return self.dp * self.cp
 
     @property
     def checkpoint_activations(self) -> bool:
@@ -40,7 +47,8 @@ class Layout:
             cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             zero_stage=self.zero_stage, pp_partition_method=self.partition_method,
             virtual_pipeline_model_parallel_size=self.virtual if self.virtual > 1 else None,
-            num_layers_per_virtual_pipeline_stage=None, sequence_parallel=self.sequence_parallel)
+            num_layers_per_virtual_pipeline_stage=None, sequence_parallel=self.sequence_parallel,
+            context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type)
         model = dataclasses.replace(
             cfg.model, checkpoint_activations=False,
             recompute_granularity=None if self.recompute == "none" else self.recompute)
@@ -59,4 +67,6 @@ class Layout:
             words.append(f"--virtual-pipeline-model-parallel-size {self.virtual}")
         if self.sequence_parallel:
             words.append("--sequence-parallel")
+        if self.cp > 1:
+            words.append(f"--context-parallel-size {self.cp} --cp-comm-type {self.cp_comm_type}")
         return " ".join(words)

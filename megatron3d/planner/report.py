@@ -13,7 +13,7 @@ from megatron3d.mpu.state import AxisGroup
 from megatron3d.planner.hardware import GIB, Cluster
 from megatron3d.planner.search import Plan
 
-_HEADER = (f"{'#':>4} {'TP':>3} {'SP':>2} {'PP':>3} {'DP':>4} {'MBS':>3} {'ZeRO':>4} "
+_HEADER = (f"{'#':>4} {'TP':>3} {'SP':>2} {'CP':>2} {'PP':>3} {'DP':>4} {'MBS':>3} {'ZeRO':>4} "
            f"{'recompute':<9} {'v':>2} {'partition':<26} {'GiB':>6} {'s/iter':>8} "
            f"{'TFLOPs':>7} {'bubble':>6}  reason")
 
@@ -39,6 +39,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "recompute": layout.recompute, "partition_method": layout.partition_method,
         "virtual_pipeline_model_parallel_size": layout.virtual,
         "sequence_parallel": layout.sequence_parallel,
+        "context_parallel_size": layout.cp,
+        "cp_comm_type": layout.cp_comm_type if layout.cp > 1 else None,
         "feasible": plan.feasible, "reason": plan.reason,
         "memory_gb": _gib(memory.total) if sized else None,
         "peak_phase": peak.phase if sized else None,
@@ -74,7 +76,7 @@ def table(plans: list[Plan], top: int) -> str:
         bubble = "-" if row["bubble_fraction"] is None else f"{row['bubble_fraction']:.1%}"
         rows.append(
             f"{number:>4} {layout.tp:>3} {'y' if layout.sequence_parallel else '-':>2} "
-            f"{layout.pp:>3} {layout.dp:>4} "
+            f"{layout.cp:>2} {layout.pp:>3} {layout.dp:>4} "
             f"{layout.micro_batch_size:>3} {layout.zero_stage:>4} {layout.recompute:<9} "
             f"{layout.virtual:>2} {layout.partition_method:<26} {_cell(row['memory_gb'], 1):>6} "
             f"{_cell(row['iteration_s'], 4, 'g'):>8} {_cell(row['tflops_per_gpu'], 1):>7} "

@@ -32,6 +32,11 @@ from megatron3d.validation import validate
 PARTITION_METHODS = ("parameters", "uniform", "type:transformer|embedding")
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 VIRTUAL_SIZES = (1, 2, 4)
+CONTEXT_PARALLEL_SIZES = (1, 2, 4, 8)
+LONG_SEQUENCE = 8192
+"""Context parallelism is searched from this sequence length on (below it a sequence's
+activations are small and splitting it only adds exchanges); ``--context-parallel-size``
+fixes it at any length."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class Fixed:
     partition_method: str | None = None
     virtual: int | None = None
     sequence_parallel: bool | None = None
+    cp: int | None = None
+    cp_comm_type: str = "p2p"  # not searched: the exchange the user runs
 
 
 @dataclass(frozen=True)
@@ -69,29 +76,42 @@ class Plan:
         return (not self.feasible, self.memory is None, seconds, self.layout)
 
 
-def candidates(world_size: int, num_layers: int, gpus_per_node: int,
-               fixed: Fixed) -> list[Layout]:
-    """Every layout to judge: TP up to a node (and dividing the world), PP dividing what is
-    left up to ``num_layers`` (the length of the layer list, embeddings and norms included),
-    micro-batches 1..8, each ZeRO stage (only 0 without data parallelism), recompute (none,
-    selective, full), partition method, 2 or 4 model chunks per rank with pipelining, and
-    sequence parallelism with TP; ``fixed`` dimensions are not enumerated."""
+def candidates(world_size: int, num_layers: int, gpus_per_node: int, fixed: Fixed,
+               seq_length: int = 0) -> list[Layout]:
+    """Every layout to judge: TP up to a node (and dividing the world), CP 1, 2, 4 or 8 for
+    sequences of ``LONG_SEQUENCE`` tokens or more (cutting into 2 CP equal chunks), PP
+    dividing what is left up to ``num_layers`` (the length of the layer list, embeddings and
+    norms included), micro-batches 1..8, each ZeRO stage (only 0 without replicas of the
+    weights, DP x CP), recompute (none, selective, full), partition method, 2 or 4 model
+    chunks per rank with pipelining, and sequence parallelism with TP; ``fixed`` dimensions
+    are not enumerated."""
     layouts = []
+    long = seq_length >= LONG_SEQUENCE
     for tp in _choices(fixed.tp, [t for t in _divisors(world_size) if t <= gpus_per_node]):
-        for pp in _choices(fixed.pp, [p for p in _divisors(world_size // tp)
-                                      if p <= num_layers]):
-            dp = world_size // (tp * pp)
-            zero_stages = (0, 1, 3) if dp > 1 else (0,)
-            virtuals = VIRTUAL_SIZES if pp > 1 else (1,)
-            sequence = (False, True) if tp > 1 else (False,)
-            layouts += [Layout(tp, pp, dp, mbs, zero, recompute, method, v, sp)
-                        for mbs, zero, recompute, method, v, sp in itertools.product(
-                            _choices(fixed.micro_batch_size, MICRO_BATCH_SIZES),
-                            _choices(fixed.zero_stage, zero_stages),
-                            _choices(fixed.recompute, RECOMPUTE),
-                            _choices(fixed.partition_method, PARTITION_METHODS),
-                            _choices(fixed.virtual, virtuals),
-                            _choices(fixed.sequence_parallel, sequence))]
+        for cp in _choices(fixed.cp, [c for c in CONTEXT_PARALLEL_SIZES if c == 1 or (
+                long and (world_size // tp) % c == 0 and seq_length % (2 * c) == 0)]):
+            layouts += _with(world_size, tp, cp, num_layers, fixed)
+    return layouts
+
+
+def _with(world_size: int, tp: int, cp: int, num_layers: int, fixed: Fixed) -> list[Layout]:
+    """``candidates`` at one TP and CP size."""
+    layouts = []
+    for pp in _choices(fixed.pp, [p for p in _divisors(world_size // (tp * cp))
+                                  if p <= num_layers]):
+        dp = world_size // (tp * cp * pp)
+        zero_stages = (0, 1, 3) if dp * cp > 1 else (0,)
+        virtuals = VIRTUAL_SIZES if pp > 1 else (1,)
+        sequence = (False, True) if tp > 1 else (False,)
+        layouts += [Layout(tp, pp, dp, mbs, zero, recompute, method, v, sp, cp,
+                           fixed.cp_comm_type)
+                    for mbs, zero, recompute, method, v, sp in itertools.product(
+                        _choices(fixed.micro_batch_size, MICRO_BATCH_SIZES),
+                        _choices(fixed.zero_stage, zero_stages),
+                        _choices(fixed.recompute, RECOMPUTE),
+                        _choices(fixed.partition_method, PARTITION_METHODS),
+                        _choices(fixed.virtual, virtuals),
+                        _choices(fixed.sequence_parallel, sequence))]
     return layouts
 
 
@@ -117,8 +137,8 @@ class Planner:
         """Every candidate layout judged, feasible ones first, fastest first."""
         layers = len(layer_table(self.cfg.model)[0])
         return sorted((self.judge(layout) for layout in candidates(
-            self.cluster.world_size, layers, self.cluster.gpus_per_node, fixed)),
-            key=Plan.sort_key)
+            self.cluster.world_size, layers, self.cluster.gpus_per_node, fixed,
+            self.cfg.model.seq_length)), key=Plan.sort_key)
 
     def judge(self, layout: Layout) -> Plan:
         """``layout`` judged: validation first (its message is the reason), then the peak
@@ -138,9 +158,10 @@ class Planner:
         return Plan(layout, reason, ranks[r], r, time)
 
     def _rank_buffers(self, cfg: TrainConfig, dp: int, where: Placement, rank: int) -> Buffers:
-        """``planned_buffers`` of a rank, shared by ranks and layouts holding the same kinds
-        of layers under the same parameter layout (which neither recompute nor sequence
-        parallelism changes, nor the DP size without ZeRO)."""
+        """``planned_buffers`` of a rank (``dp``: the weights' replicas, DP x CP), shared by
+        ranks and layouts holding the same kinds of layers under the same parameter layout
+        (which neither recompute nor sequence parallelism changes, nor the replicas without
+        ZeRO)."""
         model = dataclasses.replace(cfg.model, checkpoint_activations=False,
                                     recompute_granularity=None)
         parallel = cfg.parallel

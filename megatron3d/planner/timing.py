@@ -10,16 +10,22 @@ Per micro-batch and virtual stage (one model chunk of one pipeline rank):
   input embedding (forward) and one for the LM head (backward). Sequence parallelism turns
   each into a reduce-scatter and an all-gather: the same bytes;
 - pipeline: one [s, b, h] message (its 1/TP shard under sequence parallelism) sent with the
-  forward and one with the backward; all GPUs of a node send at once.
+  forward and one with the backward; all GPUs of a node send at once;
+- context parallelism: each rank computes s/C tokens of each sequence (the attention of its
+  queries against the whole sequence: 1/C of the work, balanced by the chunk layout), and
+  each layer's attention exchanges what ``accounting/context_parallel.exchange_bytes`` says
+  over the CP ring (its ranks TP apart): the p2p ring overlapped with the attention core
+  (only what exceeds it shows), all_gather and a2a not; a recomputed layer or attention
+  core exchanges its forward again.
 
 Every stage runs at the pace of the slowest, so the pipeline takes
 ``(m * v + p - 1) * (F + B)`` for m micro-batches, p ranks of v chunks and the slowest
 chunk's F and B: the makespan ``pipeline.simulate`` gives for the real 1F1B, GPipe and
 interleaved programs (``tests/planner/test_timing.py``). Then what is not hidden:
 
-- ZeRO-0/1: the data-parallel gradient reduction (all-reduce, or reduce-scatter) starts
-  during the last backward and hides behind it; ZeRO-1's parameter all-gather after the step
-  unless ``--overlap-param-gather``;
+- ZeRO-0/1 (over DP x CP, the weights' replicas): the data-parallel gradient reduction
+  (all-reduce, or reduce-scatter) starts during the last backward and hides behind it;
+  ZeRO-1's parameter all-gather after the step unless ``--overlap-param-gather``;
 - ZeRO-3: each chunk's parameters are all-gathered for the forward and again for the
   backward (once with ``--zero3-reshard-after-forward false``) and its gradients
   reduce-scattered, per micro-batch; with prefetch they overlap the compute;
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron3d.accounting.context_parallel import Split, exchange_bytes
 from megatron3d.accounting.flops import (
     attention_core_flops_per_token,
     flops_per_iteration,
@@ -78,13 +85,13 @@ def step_time(cfg: TrainConfig, layout: Layout, where: Placement, cluster: Clust
     tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual
     schedule = BatchSchedule.from_config(cfg.training, dp)
     m = schedule.global_batch_size // schedule.samples_per_micro_batch_step
-    tokens = layout.micro_batch_size * model.seq_length
+    tokens = layout.micro_batch_size * model.seq_length // layout.cp  # this rank's
     e = getattr(torch, cfg.precision.params_dtype_name).itemsize
     message = e * tokens * model.hidden_size  # one [s, b, h] activation
     all_reduce = 0.0 if tp == 1 else 2 * (tp - 1) / tp * message / cluster.ring_bandwidth(tp, 1)
     p2p = 0.0
     if pp > 1:
-        senders = tp * dp
+        senders = tp * layout.cp * dp
         p2p = (message / (tp if parallel.sequence_parallel else 1)
                / cluster.p2p_bandwidth(senders, senders * pp > cluster.gpus_per_node))
     layer = layer_forward_flops_per_token(model) * tokens / tp
@@ -92,14 +99,16 @@ def step_time(cfg: TrainConfig, layout: Layout, where: Placement, cluster: Clust
     extra = {"none": 0.0, "full": layer,
              "selective": attention_core_flops_per_token(model) * tokens / tp}[layout.recompute]
     recomputed = 2 if layout.recompute == "full" else 0
+    cp_forward, cp_backward = _context_parallel(cfg, layout, cluster, e)
     zero3 = _Zero3Traffic(cfg, layout, cluster, e)
     forwards, backwards = [], []
     for names in where.virtual_stages:
         n, with_head = names.count("TransformerLayer"), "OutputEmbedding" in names
         work = n * layer + with_head * head
-        fwd = work / cluster.flops + (2 * n + ("InputEmbedding" in names)) * all_reduce + p2p
+        fwd = (work / cluster.flops + (2 * n + ("InputEmbedding" in names)) * all_reduce + p2p
+               + n * cp_forward)
         bwd = ((2 * work + n * extra) / cluster.flops
-               + (2 * n + with_head + recomputed * n) * all_reduce + p2p)
+               + (2 * n + with_head + recomputed * n) * all_reduce + p2p + n * cp_backward)
         forwards.append(zero3.forward(fwd, names))
         backwards.append(zero3.backward(bwd, names))
     fwd, bwd = max(forwards), max(backwards)
@@ -110,6 +119,23 @@ def step_time(cfg: TrainConfig, layout: Layout, where: Placement, cluster: Clust
     flops = flops_per_iteration(model, schedule.global_batch_size, padded_vocab).hardware
     return StepTime(fwd, bwd, pipeline, (pp - 1) * (fwd + bwd), exposed, iteration,
                     flops / (iteration * cluster.world_size * 1e12))
+
+
+def _context_parallel(cfg: TrainConfig, layout: Layout, cluster: Cluster,
+                      param_bytes: int) -> tuple[float, float]:
+    """Seconds one layer's CP exchange adds to its forward and to its backward (the forward
+    exchange again when the attention core is recomputed)."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    split = Split(cfg.model, layout.micro_batch_size, layout.tp, layout.cp,
+                  cfg.parallel.cp_comm_type, param_bytes)
+    bandwidth = cluster.ring_bandwidth(layout.cp, layout.tp)
+    forward, backward = (size / bandwidth for size in exchange_bytes(split))
+    if split.comm_type == "p2p":  # hidden behind the attention of the chunk in hand
+        core = (attention_core_flops_per_token(cfg.model) * layout.micro_batch_size
+                * split.local_tokens / layout.tp / cluster.flops)
+        forward, backward = max(0.0, forward - core), max(0.0, backward - 2 * core)
+    return forward, backward + (forward if layout.recompute != "none" else 0.0)
 
 
 def pipeline_seconds(micro_batches: int, stages: int, chunks: int, forward: float,
@@ -137,7 +163,7 @@ class _Zero3Traffic:
     param_bytes: int
 
     def _gather(self, names: tuple[str, ...]) -> float:
-        dp = self.layout.dp
+        dp = self.layout.replicas
         if self.layout.zero_stage != 3 or dp == 1:
             return 0.0
         params = _stage_params(self.cfg, names, self.layout.tp)
@@ -163,7 +189,7 @@ def _exposed_data_parallel(cfg: TrainConfig, layout: Layout, where: Placement,
                            cluster: Cluster, param_bytes: int, backward: float) -> float:
     """ZeRO-0/1's end-of-step traffic that the last backward does not hide, on the rank
     with the most parameters."""
-    dp = layout.dp
+    dp = layout.replicas
     if dp == 1 or layout.zero_stage == 3:
         return 0.0
     parallel = cfg.parallel
@@ -183,7 +209,7 @@ def _tied(cfg: TrainConfig, layout: Layout, cluster: Cluster, padded_vocab: int)
     between the first and the last pipeline stage."""
     if layout.pp == 1 or not cfg.model.tie_embeddings:
         return 0.0
-    share = layout.dp if layout.zero_stage else 1
+    share = layout.replicas if layout.zero_stage else 1
     numel = padded_vocab // layout.tp * cfg.model.hidden_size / share
-    stride = layout.tp * layout.dp * (layout.pp - 1)
+    stride = layout.tp * layout.replicas * (layout.pp - 1)
     return numel * FP32 / cluster.ring_bandwidth(2, stride)

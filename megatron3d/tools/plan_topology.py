@@ -1,7 +1,7 @@
 """Rank the layouts of a model on a cluster before spending GPU hours on it.
 
-Which TP, PP, DP, micro-batch size, ZeRO stage, recompute, partition method, model chunks
-per rank and sequence parallelism to use, for example:
+Which TP, CP, PP, DP, micro-batch size, ZeRO stage, recompute, partition method, model
+chunks per rank and sequence parallelism to use, for example:
 
     python tools/plan_topology.py --nodes 48 --gpus-per-node 8 --inter-node-gbps 400 \
         --num-layers 70 --hidden-size 14336 --num-attention-heads 112 --seq-length 2048 \
@@ -17,8 +17,10 @@ iteration time and gives each infeasible one its reason. A dimension given as a 
 fixed instead of enumerated: ``--tp``/``--pp`` (or their long spellings),
 ``--micro-batch-size``, ``--zero-stage``, ``--recompute-granularity`` or
 ``--checkpoint-activations``, ``--pp-partition-method``,
-``--virtual-pipeline-model-parallel-size``, ``--sequence-parallel``. Flags that change no
-layout may be left out:
+``--virtual-pipeline-model-parallel-size``, ``--sequence-parallel``,
+``--context-parallel-size`` (searched over 1, 2, 4, 8 from 8192-token sequences on; the
+exchange is ``--cp-comm-type``'s, p2p by default). Flags that change no layout may be left
+out:
 without a data source the plan assumes ``--mock-data``, without ``--lr`` a learning rate of 1,
 without a run length ``--train-iters 1`` (they only let validation run).
 """
@@ -122,7 +124,9 @@ def _fixed(args: argparse.Namespace, cfg: TrainConfig, given: set[str]) -> Fixed
         else None,
         virtual=parallel.virtual_size(model.num_layers)
         if "virtual_pipeline_model_parallel_size" in given else None,
-        sequence_parallel=parallel.sequence_parallel if "sequence_parallel" in given else None)
+        sequence_parallel=parallel.sequence_parallel if "sequence_parallel" in given else None,
+        cp=parallel.context_parallel_size if "context_parallel_size" in given else None,
+        cp_comm_type=parallel.cp_comm_type)
 
 
 def _complete(cfg: TrainConfig) -> TrainConfig:

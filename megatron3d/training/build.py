@@ -223,12 +223,14 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataP
         gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp],
         count_zeros=cfg.logging.log_num_zeros_in_grad)
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
+    replicas = "" if state.cp.size == 1 else f" x CP={state.cp.size}"
     every_rank_logger().info(memory.report(
-        f"memory (ZeRO-{stage}, DP={state.dp.size}):",
+        f"memory (ZeRO-{stage}, DP={state.dp.size}{replicas}):",
         memory.analytic(sum(p.numel() for p in params), params[0].element_size(), stage,
-                        state.dp.size, memory.live_numel(data_parallel))))
+                        state.dp_cp.size, memory.live_numel(data_parallel))))
     predicted = layout_memory(cfg, state.world_size, data_parallel.shard.grads.device.type)
-    every_rank_logger().info(format_phases(predicted[state.pp.rank], state.pp.rank))
+    every_rank_logger().info(format_phases(predicted[state.pp.rank], state.pp.rank,
+                                           state.cp.size, cfg.parallel.cp_comm_type))
     return optimizer
 
 
