@@ -35,6 +35,7 @@ from megatron3d.config import (
     Range,
     TrainConfig,
 )
+from megatron3d.cp.checks import check_context_parallel
 from megatron3d.data.builder import parse_split
 from megatron3d.data.tokenizer import TokenizerSpec
 from megatron3d.data.vocab_padding import check_vocab_padding
@@ -73,9 +74,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                      "use --zero-stage 0, 1 or 3")
     _check_layout(cfg, world_size)
     _check_lr_schedule(cfg, world_size)
+    check_context_parallel(cfg.parallel, cfg.model)
     _check_checkpoint(cfg.checkpoint, cfg.lr_schedule.override_opt_param_scheduler,
-                      cfg.lr_schedule.use_checkpoint_opt_param_scheduler,
-                      cfg.training.skip_train)
+                      cfg.lr_schedule.use_checkpoint_opt_param_scheduler, cfg.training.skip_train)
     local_flags.check_non_persistent(cfg.checkpoint)
     _check_zero(cfg)
     _check_watchdog(cfg)
@@ -197,8 +198,7 @@ def _check_model(model: ModelConfig) -> None:
     if model.kv_channels not in (None, hidden // heads):
         raise _error(
             "--kv-channels must be hidden size / heads: every head here has that many channels",
-            {"kv_channels": model.kv_channels, "hidden_size": hidden,
-             "num_attention_heads": heads},
+            {"kv_channels": model.kv_channels, "hidden_size": hidden, "num_attention_heads": heads},
             f"drop --kv-channels or set it to {hidden // heads}")
     _check_query_groups(model)
     if model.position_embedding_type == "rope" and model.head_dim % 2:
@@ -267,7 +267,7 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
     what an earlier one refused (DP needs the grid) is left out."""
     parallel, conflicts = cfg.parallel, []
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    grid = _collect(conflicts, lambda: Topology(world_size, tp, pp))  # the rank grid's owner
+    grid = _collect(conflicts, lambda: Topology(world_size, tp, pp, parallel.context_parallel_size))
     conflicts += [str(_error(f"{what} is not divisible by the tensor-parallel size",
                              {**shown, "tensor_model_parallel_size": tp},
                              f"pick a --tensor-model-parallel-size that divides {size}"))

@@ -89,7 +89,9 @@ MEGATRON_LM = {
     "--log-world-size-to-tensorboard": "notice",
     "--log-throughput": "notice",
     "--timing-log-level 0": "notice",
-    "--context-parallel-size 1": "notice",
+    "--context-parallel-size 2": "applied",
+    "--cp-comm-type a2a": "applied",
+    "--expert-model-parallel-size 1": "notice",
     "--tensorboard-log-interval 10": "applied",
     "--log-params-norm": "applied",
     "--log-num-zeros-in-grad": "applied",
@@ -170,7 +172,7 @@ def test_every_problem_of_a_command_line_is_reported_in_one_line():
 
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--use-flash-attn-v3"], "not a megatron3d flag"),  # no fuzzy guess for a stranger
-    (["--context-parallel-size", "2"], "use size 1 or drop the flag"),
+    (["--expert-model-parallel-size", "2"], "use size 1 or drop the flag"),
     (["--optimizer", "sgd"], "AdamW"),
     (["--use-distributed-optimizer", "--zero-stage", "3"], "keep one of the two"),
     (["--recompute-activations", "--recompute-granularity", "full"], "keep one of the two"),

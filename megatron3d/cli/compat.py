@@ -143,8 +143,8 @@ TABLE: tuple[CompatFlag, ...] = (
     *_notice("--no-position-embedding", "positions follow --position-embedding-type (rope and "
              "alibi use no learned position table)"),
     *_notice("--optimizer", "AdamW, which Megatron's 'adam' is", nargs=1, only="adam"),
-    *_notice("--context-parallel-size --expert-model-parallel-size",
-             "context and expert parallelism are not supported: use size 1 or drop the flag",
+    *_notice("--expert-model-parallel-size",
+             "expert parallelism is not supported: use size 1 or drop the flag",
              nargs=1, only="1"),
     *_notice("--rotary-percent", "rotary embeddings cover the whole head; only 1.0 is "
              "supported", nargs=1, only="1 1.0"),

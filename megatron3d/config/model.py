@@ -152,6 +152,15 @@ class ParallelConfig:
     tensor_model_parallel_size: int = option(1, "Tensor-parallel size (TP).", range=AT_LEAST_ONE)
     pipeline_model_parallel_size: int = option(
         1, "Pipeline-parallel size (PP).", range=AT_LEAST_ONE)
+    context_parallel_size: int = option(
+        1, "Context-parallel size (CP): each sequence is split over this many ranks, which "
+        "exchange keys and values in attention (for sequences one rank cannot hold); their "
+        "gradients are averaged with data parallelism's.", range=AT_LEAST_ONE)
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = option(
+        "p2p", "How context-parallel attention exchanges the sequence: p2p (a ring passing "
+        "key/value chunks, overlapped with compute), all_gather (gather every key and value) "
+        "or a2a (Ulysses all-to-all from sequence to head shards; heads and query groups per "
+        "TP rank must divide by CP).")
     zero_stage: int = option(0, "ZeRO stage for data parallelism (0, 1 or 3).")
     distributed_backend: Literal["nccl", "gloo"] | None = option(
         None, "Collective backend: nccl (GPUs, one rank per GPU) or gloo (CPUs; on GPUs it "
@@ -229,4 +238,5 @@ class ParallelConfig:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size
+        """Ranks reading different samples: the world over TP x CP x PP."""
+        return world_size // (self.model_parallel_size * self.context_parallel_size)

@@ -61,7 +61,7 @@ def gather_info(info: TokenInfo, cp: AxisGroup) -> TokenInfo:
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo,
                       cp: AxisGroup, slopes: torch.Tensor | None = None,
-                      dropout_p: float = 0.0) -> torch.Tensor:
+                      dropout_p: float = 0.0, comm_type: str = "all_gather") -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask or ALiBi) v for this rank's queries against the whole
     sequence: q [b, n, s_local, d], k and v [b, G, s_local, d] (G divides n), ``info`` this
     rank's tokens, ``slopes`` [n] this rank's heads' ALiBi slopes -> [b, n, s_local, d]."""

@@ -26,6 +26,7 @@ from megatron3d.checkpoint.local.setup import LocalCheckpoints, open_local
 from megatron3d.checkpoint.progress import Progress, new_series
 from megatron3d.checkpoint.reader import find
 from megatron3d.config import TrainConfig
+from megatron3d.cp.batch import shard_micro_batch
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.data.vocab_padding import check_vocab_padding
 from megatron3d.log import every_rank_logger, get_logger
@@ -85,7 +86,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     """``started``: ``time.monotonic()`` at process start, for --exit-duration-in-mins."""
     given = overrides or Overrides()
     check_same_config(cfg, state.world, dev)  # before anything could hang on a mismatch
-    schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
+    schedule = BatchSchedule.from_config(cfg.training, state.dp.size)  # dp reads samples
     total_iters, train_samples = run_length(cfg, schedule)
     heartbeat = given.hooks.heartbeat  # the slow start-up phases get their own allowances
     with heartbeat.allowance("dataset index building"):
@@ -97,7 +98,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     lr_schedule = loading.resume_schedule(cfg, LRSchedule.from_config(
         cfg.optimizer, cfg.lr_schedule, train_samples, schedule.samples_for_iters,
         iteration_based=cfg.training.train_iters is not None))  # before the model: may refuse
-    rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev)
+    rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev,
+                            cp_rank=state.cp.rank)
     # A checkpoint to load fills every weight: then nothing is drawn and the weights start at
     # zero, equal on all copies for the replica checks until it does. The stage is built on
     # the meta device; the ZeRO stage allocates its storage and draws this rank's share.
@@ -109,13 +111,15 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel,
-                       draw_weights=directory is None, defer_init=True)
+                       draw_weights=directory is None, defer_init=True, cp=state.cp,
+                       cp_comm_type=cfg.parallel.cp_comm_type)
     logger.info(format_padded_vocab(cfg.model.vocab_size, ctx.padded_vocab_size))
     size = model_size(ctx)
     engine = _wrapped(given.engine, build_engine(cfg, state, ctx, size))
     params = list(engine.stage.parameters())
     tied = TiedWeights(params, state.embedding)
-    data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp,
+    # CP ranks hold replicas of the weights too: ZeRO shards and averages over dp x cp
+    data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp_cp,
                                         cfg.parallel, functools.partial(counted_once, state),
                                         dev, tuple(len(chunk.layers) for chunk in engine.chunks))
     engine.observers.extend(o for o in (data_parallel.observer, *given.observers)
@@ -139,14 +143,14 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                 f"{size.unique:,}")
     model = ModelParts(engine, optimizer, data_parallel,
                        _wrapped(given.grad_sync, GradSync(params, data_parallel, tied, state)),
-                       _wrapped(given.check_replicas, check_replicas), state.dp)
+                       _wrapped(given.check_replicas, check_replicas), state.dp_cp)
     saver = (checkpoint.Saver(cfg, state, params, optimizer, rng, lr_schedule, series)
              if cfg.checkpoint.save else None)
     local_save = (None if local is None else local.saver(
         cfg, state, params, optimizer, rng, lr_schedule, saver.series if saver else series))
     writer = TensorBoardWriter(cfg.logging.tensorboard_dir,
                                enabled=state.world_rank == logging_rank(state))
-    rerun = (BadStepRerun(cfg.resilience, engine, optimizer, model.grad_sync, state.dp,
+    rerun = (BadStepRerun(cfg.resilience, engine, optimizer, model.grad_sync, state.dp_cp,
                           state.world, rng, writer,
                           logs=state.world_rank == logging_rank(state), fp16=cfg.precision.fp16,
                           seq_length=cfg.model.seq_length, save=cfg.checkpoint.save)
@@ -173,12 +177,15 @@ def _wrapped(wrap: Callable[[T], T] | None, part: T) -> T:
 def _run_data(data: Datasets, cfg: TrainConfig, state: ParallelState, dev: torch.device,
               schedule: BatchSchedule) -> RunData:
     """Each split's micro-batches for this rank, by position: training by consumed samples
-    and batch size, evaluation by its iteration (the same batches at every evaluation)."""
+    and batch size, evaluation by its iteration (the same batches at every evaluation). The
+    CP ranks of a DP rank read the same ones, each keeping its shard of every sequence."""
     mbs, gbs = cfg.training.micro_batch_size, schedule.global_batch_size
 
     def reader(dataset: TokenDataset) -> Callable[[int, int], list[MicroBatch]]:
-        return lambda consumed, size: micro_batches(dataset, consumed, size, mbs, state.dp.rank,
-                                                    state.dp.size, dev, data.eod)
+        def read(consumed: int, size: int) -> list[MicroBatch]:
+            return [shard_micro_batch(mb, state.cp) for mb in micro_batches(
+                dataset, consumed, size, mbs, state.dp.rank, state.dp.size, dev, data.eod)]
+        return read
 
     def evaluation(dataset: TokenDataset) -> Callable[[int], list[MicroBatch]]:
         read = reader(dataset)
@@ -202,8 +209,9 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
              for c in range(v)]  # chunk c is virtual stage c * p + rank
     chunks = build_chunks(specs, spans)
     stage = chunks[0] if v == 1 else VirtualStages(chunks)
-    tp = state.tp.size if cfg.parallel.sequence_parallel else 1
-    shape = (cfg.model.seq_length // tp, cfg.training.micro_batch_size, cfg.model.hidden_size)
+    tp = state.tp.size if cfg.parallel.sequence_parallel else 1  # CP's shard, split by SP
+    shape = (cfg.model.seq_length // (state.cp.size * tp), cfg.training.micro_batch_size,
+             cfg.model.hidden_size)
     return PipelineEngine(
         stage, state.pp, lambda out, batch: lm_loss(out, batch.labels, batch.loss_mask, ctx),
         activation_shape=shape, dtype=ctx.params_dtype, device=ctx.device,
@@ -213,18 +221,19 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
 def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataParallel,
                     params: list[nn.Parameter]) -> MixedPrecisionOptimizer:
     """The optimizer over this rank's shard (all of the stage without ZeRO). Under ZeRO the
-    gradients are spread over DP too; without it, DP ranks hold replicas that must agree."""
+    gradients are spread over DP too; without it, DP ranks hold replicas that must agree
+    (DP here is dp x cp: context-parallel ranks hold replicas of the weights as well)."""
     stage = cfg.parallel.zero_stage
     optimizer = MixedPrecisionOptimizer(
         data_parallel.shard, cfg.optimizer, cfg.precision,
-        norm_axes=[state.mp, state.dp] if stage else [state.mp],
-        gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp],
+        norm_axes=[state.mp, state.dp_cp] if stage else [state.mp],
+        gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp_cp],
         count_zeros=cfg.logging.log_num_zeros_in_grad)
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
     every_rank_logger().info(memory.report(
-        f"memory (ZeRO-{stage}, DP={state.dp.size}):",
+        f"memory (ZeRO-{stage}, DP={state.dp_cp.size}):",
         memory.analytic(sum(p.numel() for p in params), params[0].element_size(), stage,
-                        state.dp.size, memory.live_numel(data_parallel))))
+                        state.dp_cp.size, memory.live_numel(data_parallel))))
     predicted = layout_memory(cfg, state.world_size, data_parallel.shard.grads.device.type)
     every_rank_logger().info(format_phases(predicted[state.pp.rank], state.pp.rank))
     return optimizer
