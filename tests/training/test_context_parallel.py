@@ -1,8 +1,8 @@
 """Context parallelism trains the same model as one process (fp32, rtol 1e-5: per-step
 losses, grad norms, the evaluation loss and the final parameters): CP 2 for GPT-2 (learned
 positions), BLOOM (ALiBi, embedding norm) and Llama (RoPE, GQA, SwiGLU, RMSNorm) with every
-exchange, CP 4, and CP 2 with TP 2 (sequence parallel), PP 2, DP 2 under ZeRO-3 and
-interleaved 1F1B. One spawn per world size runs all of its cases."""
+exchange, CP 4 (with ZeRO-1), and CP 2 with TP 2 (sequence parallel), PP 2, ZeRO-3 (over
+dp x cp) with DP 2 and interleaved 1F1B. One spawn per world size runs all of its cases."""
 
 from __future__ import annotations
 
@@ -49,14 +49,15 @@ def test_cp2_matches_one_process_for_every_flavour_and_exchange():
 
 LAYERS4 = ("--num-layers", "4")
 UNIFORM = ("--pp-partition-method", "uniform")
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 
 
 def test_cp_composes_with_tp_pp_zero3_and_interleaving():
     _check(4, [
-        ("gpt2", (), _cp(4, "p2p")),
+        ("gpt2", (), _cp(4, "p2p", "--zero-stage", "1")),
         ("bloom", (), _cp(4, "a2a")),
-        ("llama", (), _cp(2, "all_gather", "--tensor-model-parallel-size", "2",
-                          "--sequence-parallel")),
+        ("llama", (), _cp(2, "all_gather", *TP2_SP)),
+        ("gpt2", (), _cp(2, "p2p", *TP2_SP)),  # learned positions of the TP part of a shard
         ("bloom", (), _cp(2, "p2p", "--pipeline-model-parallel-size", "2", *UNIFORM)),
         ("llama", (), _cp(2, "a2a", "--zero-stage", "3")),
         ("gpt2", LAYERS4, _cp(2, "p2p", "--pipeline-model-parallel-size", "2",
