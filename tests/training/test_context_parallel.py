@@ -42,9 +42,17 @@ def _check(world: int, cases: list[Case]) -> None:
             raise AssertionError(f"{flavour} {' '.join(layout)}: {err}") from err
 
 
+# The global batch ramps 4 -> 8 over the first steps (micro-batches of 2: 2, then 4 of them).
+RAMP = ("--rampup-batch-size", "4", "4", "8")
+
+
 def test_cp2_matches_one_process_for_every_flavour_and_exchange():
+    """And with full or selective recompute (the re-run sees its micro-batch's tokens) and a
+    batch-size rampup."""
     _check(2, [(flavour, (), _cp(2, comm)) for flavour in MODEL
-               for comm in ("p2p", "all_gather", "a2a")])
+               for comm in ("p2p", "all_gather", "a2a")]
+           + [("gpt2", ("--recompute-granularity", "full", *RAMP), _cp(2, "p2p")),
+              ("llama", ("--recompute-granularity", "selective"), _cp(2, "a2a"))])
 
 
 LAYERS4 = ("--num-layers", "4")

@@ -1,5 +1,6 @@
-"""Context parallelism's flags: each bad combination is one line before any process starts;
-the good ones (and a rampup) pass. And a micro-batch's sharding for a CP rank."""
+"""The context-parallel axis outside attention: its flags (each bad combination one line
+before any process starts; the good ones, and a rampup, pass), a micro-batch's shard for a CP
+rank, and a hang report's rank coordinates."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from megatron3d.cp.tokens import TokenInfo
 from megatron3d.data.sampler import UNREAD_BATCH, MicroBatch
 from megatron3d.errors import ConfigError
 from megatron3d.mpu.state import AxisGroup
+from megatron3d.resilience.hang_report import Analysis, coords
 from megatron3d.validation import validate
 from tests.test_validation import make
 
@@ -92,3 +94,11 @@ def test_without_context_parallelism_a_batch_is_left_as_it_is():
     assert shard_micro_batch(mb, AxisGroup.single()) is mb
     cp = AxisGroup(group=None, rank=0, size=2, ranks=(0, 1))
     assert shard_micro_batch(UNREAD_BATCH, cp) is UNREAD_BATCH  # a middle stage reads nothing
+
+
+def test_a_hang_report_places_a_rank_on_the_context_parallel_axis():
+    """Megatron's order tp, cp, dp, pp gives a rank's place, even one that wrote no dump."""
+    sizes = {"tp": 2, "pp": 2, "dp": 2, "cp": 2}
+    a = Analysis(world_size=16, dumps={0: {"sizes": sizes}}, missing=[])
+    assert coords(a, 13) == "rank 13 (tp 1, pp 1, dp 1, cp 0)"
+    assert coords(a, 6) == "rank 6 (tp 0, pp 0, dp 1, cp 1)"
