@@ -65,7 +65,7 @@ def test_cp_composes_with_tp_pp_zero3_and_interleaving():
         ("gpt2", (), _cp(4, "p2p", "--zero-stage", "1")),
         ("bloom", (), _cp(4, "a2a")),
         ("llama", (), _cp(2, "all_gather", *TP2_SP)),
-        ("gpt2", (), _cp(2, "p2p", *TP2_SP)),  # learned positions of the TP part of a shard
+        ("gpt2", (), _cp(2, "a2a", *TP2_SP)),  # learned positions of the TP part of a shard
         ("bloom", (), _cp(2, "p2p", "--pipeline-model-parallel-size", "2", *UNIFORM)),
         ("llama", (), _cp(2, "a2a", "--zero-stage", "3")),
         ("gpt2", LAYERS4, _cp(2, "p2p", "--pipeline-model-parallel-size", "2",
