@@ -307,8 +307,7 @@ def _tp_split_sizes(cfg: TrainConfig) -> list[tuple[str, int, dict[str, Any]]]:
     """(what, size, the flags it comes from) of every size TP splits, named by the flags the
     user sets: the query groups only with grouped-query attention, the MLP width by
     --hidden-size when it is derived from it."""
-    model = cfg.model
-    heads = model.num_attention_heads
+    model, heads = cfg.model, cfg.model.num_attention_heads
     sizes = [(f"--num-attention-heads {heads}", heads, {"num_attention_heads": heads})]
     if model.group_query_attention:
         groups = model.num_query_groups
@@ -360,8 +359,7 @@ def _check_checkpoint(checkpoint: CheckpointConfig, override: bool, keep: bool,
 
 def _check_zero(cfg: TrainConfig) -> None:
     """Flags that belong to one ZeRO stage, and the ZeRO-3 pool sizes."""
-    parallel = cfg.parallel
-    stage = parallel.zero_stage
+    parallel, stage = cfg.parallel, cfg.parallel.zero_stage
     if parallel.overlap_param_gather and stage != 1:
         raise _error("--overlap-param-gather is ZeRO-1's post-step parameter all-gather",
                      {"zero_stage": stage}, "pass --zero-stage 1 or drop the flag "
