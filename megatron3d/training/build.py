@@ -34,7 +34,7 @@ from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss, split_layers
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.replicas import check_tp_replicas, counted_once
-from megatron3d.mpu.state import ParallelState
+from megatron3d.mpu.state import AxisGroup, ParallelState
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
@@ -177,22 +177,30 @@ def _wrapped(wrap: Callable[[T], T] | None, part: T) -> T:
 def _run_data(data: Datasets, cfg: TrainConfig, state: ParallelState, dev: torch.device,
               schedule: BatchSchedule) -> RunData:
     """Each split's micro-batches for this rank, by position: training by consumed samples
-    and batch size, evaluation by its iteration (the same batches at every evaluation). The
-    CP ranks of a DP rank read the same ones, each keeping its shard of every sequence."""
+    and batch size, evaluation by its iteration (the same batches at every evaluation)."""
     mbs, gbs = cfg.training.micro_batch_size, schedule.global_batch_size
 
     def reader(dataset: TokenDataset) -> Callable[[int, int], list[MicroBatch]]:
-        def read(consumed: int, size: int) -> list[MicroBatch]:
-            return [shard_micro_batch(mb, state.cp) for mb in micro_batches(
-                dataset, consumed, size, mbs, state.dp.rank, state.dp.size, dev, data.eod)]
-        return read
+        return lambda consumed, size: micro_batches(dataset, consumed, size, mbs, state.dp.rank,
+                                                    state.dp.size, dev, data.eod)
 
     def evaluation(dataset: TokenDataset) -> Callable[[int], list[MicroBatch]]:
         read = reader(dataset)
         return lambda i: read(i * gbs, gbs)
 
-    return RunData(train=reader(data.train), valid=evaluation(data.valid),
-                   test=None if data.test is None else evaluation(data.test))
+    # The CP ranks of a DP rank read the same micro-batches; each keeps its shard of them.
+    test = None if data.test is None else on_cp_rank(evaluation(data.test), state.cp)
+    return RunData(train=on_cp_rank(reader(data.train), state.cp),
+                   valid=on_cp_rank(evaluation(data.valid), state.cp), test=test)
+
+
+def on_cp_rank(read: Callable[..., list[MicroBatch]],
+               cp: AxisGroup) -> Callable[..., list[MicroBatch]]:
+    """``read``'s micro-batches cut to this context-parallel rank's tokens (``cp/batch.py``);
+    ``read`` itself without CP."""
+    if cp.size == 1:
+        return read
+    return lambda *position: [shard_micro_batch(mb, cp) for mb in read(*position)]
 
 
 def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
@@ -230,8 +238,9 @@ def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataP
         gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp_cp],
         count_zeros=cfg.logging.log_num_zeros_in_grad)
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
+    replicas = "" if state.cp.size == 1 else f" x CP={state.cp.size}"
     every_rank_logger().info(memory.report(
-        f"memory (ZeRO-{stage}, DP={state.dp_cp.size}):",
+        f"memory (ZeRO-{stage}, DP={state.dp.size}{replicas}):",
         memory.analytic(sum(p.numel() for p in params), params[0].element_size(), stage,
                         state.dp_cp.size, memory.live_numel(data_parallel))))
     predicted = layout_memory(cfg, state.world_size, data_parallel.shard.grads.device.type)
