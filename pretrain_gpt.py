@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         _check_outputs(cfg)
         if dry_run:  # what follows needs the compute node's devices
             if env.rank == 0:
-                sys.stdout.write(Topology(env.world_size, cfg.parallel.tensor_model_parallel_size,
-                                          cfg.parallel.pipeline_model_parallel_size).table()
-                                 + "\n")
+                parallel = cfg.parallel
+                sys.stdout.write(Topology(env.world_size, parallel.tensor_model_parallel_size,
+                                          parallel.pipeline_model_parallel_size,
+                                          parallel.context_parallel_size).table() + "\n")
             return 0
         fit.check_fits(cfg, env.world_size, devices.memory_capacity(env),
                        "cuda" if devices.accelerator_available() else "cpu")
@@ -97,7 +98,8 @@ def _run(cfg: TrainConfig, env: devices.LaunchEnv, backend: str, started: float,
     recorder = FlightRecorder(cfg.resilience.flight_recorder_size, devices.stream_marker(dev))
     with traffic.observing(recorder):
         state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
-                                    cfg.parallel.pipeline_model_parallel_size)
+                                    cfg.parallel.pipeline_model_parallel_size,
+                                    cp_size=cfg.parallel.context_parallel_size)
         watchdog = Watchdog.for_run(cfg, state, recorder, board).start()
         try:
             return _train(cfg, state, dev, started, watchdog, notices)

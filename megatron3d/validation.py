@@ -35,6 +35,7 @@ from megatron3d.config import (
     Range,
     TrainConfig,
 )
+from megatron3d.cp.checks import check_context_parallel
 from megatron3d.data.builder import parse_split
 from megatron3d.data.documents import check_document_flags
 from megatron3d.data.tokenizer import TokenizerSpec
@@ -74,6 +75,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
                      "use --zero-stage 0, 1 or 3")
     _check_layout(cfg, world_size)
     _check_lr_schedule(cfg, world_size)
+    check_context_parallel(cfg.parallel, cfg.model)
     _check_checkpoint(cfg.checkpoint, cfg.lr_schedule.override_opt_param_scheduler,
                       cfg.lr_schedule.use_checkpoint_opt_param_scheduler, cfg.training.skip_train)
     local_flags.check_non_persistent(cfg.checkpoint)
@@ -267,7 +269,7 @@ def _check_layout(cfg: TrainConfig, world_size: int) -> None:
     what an earlier one refused (DP needs the grid) is left out."""
     parallel, conflicts = cfg.parallel, []
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    grid = _collect(conflicts, lambda: Topology(world_size, tp, pp))  # the rank grid's owner
+    grid = _collect(conflicts, lambda: Topology(world_size, tp, pp, parallel.context_parallel_size))
     conflicts += [str(_error(f"{what} is not divisible by the tensor-parallel size",
                              {**shown, "tensor_model_parallel_size": tp},
                              f"pick a --tensor-model-parallel-size that divides {size}"))
@@ -307,8 +309,7 @@ def _tp_split_sizes(cfg: TrainConfig) -> list[tuple[str, int, dict[str, Any]]]:
     """(what, size, the flags it comes from) of every size TP splits, named by the flags the
     user sets: the query groups only with grouped-query attention, the MLP width by
     --hidden-size when it is derived from it."""
-    model = cfg.model
-    heads = model.num_attention_heads
+    model, heads = cfg.model, cfg.model.num_attention_heads
     sizes = [(f"--num-attention-heads {heads}", heads, {"num_attention_heads": heads})]
     if model.group_query_attention:
         groups = model.num_query_groups
@@ -360,8 +361,7 @@ def _check_checkpoint(checkpoint: CheckpointConfig, override: bool, keep: bool,
 
 def _check_zero(cfg: TrainConfig) -> None:
     """Flags that belong to one ZeRO stage, and the ZeRO-3 pool sizes."""
-    parallel = cfg.parallel
-    stage = parallel.zero_stage
+    parallel, stage = cfg.parallel, cfg.parallel.zero_stage
     if parallel.overlap_param_gather and stage != 1:
         raise _error("--overlap-param-gather is ZeRO-1's post-step parameter all-gather",
                      {"zero_stage": stage}, "pass --zero-stage 1 or drop the flag "

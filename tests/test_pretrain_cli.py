@@ -62,6 +62,18 @@ def test_print_topology_prints_the_rank_table_and_exits(monkeypatch, capsys, wor
     assert not dist.is_initialized()
 
 
+def test_print_topology_shows_the_context_parallel_axis(monkeypatch, capsys):
+    """CP sits between TP and DP: world 8 = tp 2 x cp 2 x dp 2."""
+    _launched_as(monkeypatch, world_size=8, rank=0)
+    argv = _argv(2, 1, "--context-parallel-size", "2", "--attention-dropout", "0",
+                 "--print-topology")
+    assert pretrain_gpt.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("world 8 = tp 2 x cp 2 x dp 2 x pp 1")
+    assert "cp groups: [0, 2] [1, 3] [4, 6] [5, 7]" in lines
+    assert "dp-cp groups: [0, 2, 4, 6] [1, 3, 5, 7]" in lines
+
+
 def test_print_topology_is_silent_off_rank_0(monkeypatch, capsys):
     _launched_as(monkeypatch, world_size=4, rank=1)
     assert pretrain_gpt.main(_argv(4, 1, "--print-topology")) == 0

@@ -39,8 +39,9 @@ KINDS = ("weight", "exp_avg", "exp_avg_sq")
 
 
 def owns(param: nn.Parameter, state: ParallelState, zero_stage: int) -> bool:
-    """Whether this rank writes ``param``'s chunks (each logical element exactly once)."""
-    return counted_once(state, param) and (zero_stage > 0 or state.dp.rank == 0)
+    """Whether this rank writes ``param``'s chunks (each logical element exactly once):
+    without ZeRO, the first of its replicas over dp x cp."""
+    return counted_once(state, param) and (zero_stage > 0 or state.dp_cp.rank == 0)
 
 
 def owned_parts(params: list[nn.Parameter], shard: Shard, state: ParallelState,

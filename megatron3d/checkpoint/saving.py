@@ -40,11 +40,13 @@ _SERIES_BYTES = 32  # a series: uuid4().hex, or "" for checkpoints older than se
 
 def layout(cfg: TrainConfig, state: ParallelState) -> dict[str, int]:
     """How the run is laid out; saved RNG states are restored only into the same one. Model
-    chunks per pipeline rank appear only with interleaving (older checkpoints lack them)."""
+    chunks per pipeline rank appear only with interleaving, the context-parallel size only
+    above 1 (older checkpoints lack them)."""
     chunks = cfg.parallel.virtual_size(cfg.model.num_layers)
     return {"world_size": state.world_size, "tp": state.tp.size, "pp": state.pp.size,
             "dp": state.dp.size, "zero_stage": cfg.parallel.zero_stage,
-            **({"virtual": chunks} if chunks > 1 else {})}
+            **({"virtual": chunks} if chunks > 1 else {}),
+            **({"cp": state.cp.size} if state.cp.size > 1 else {})}
 
 
 class Saver:

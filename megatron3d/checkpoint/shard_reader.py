@@ -136,7 +136,7 @@ def _receive_copies(params: list[nn.Parameter], shard: Shard, found: dict[str, t
                     state: ParallelState, zero_stage: int) -> None:
     """Same layout: the pieces this rank holds but does not own, from the peer that does
     (tied copies from the first stage, then TP replicas from TP rank 0, then, without ZeRO,
-    everything from DP rank 0, each peer passing on what it just received). Tied weights are
+    everything from rank 0 of dp x cp, each peer passing on what it just received). Tied weights are
     laid out alone, so their pieces line up across stages."""
     def pieces(keep: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
         return [t[at:at + end - start] for p in params if keep(p)
@@ -149,7 +149,7 @@ def _receive_copies(params: list[nn.Parameter], shard: Shard, found: dict[str, t
         comm.broadcast(piece, state.tp, src_index=0)
     if zero_stage == 0:
         for t in found.values():
-            comm.broadcast(t, state.dp, src_index=0)
+            comm.broadcast(t, state.dp_cp, src_index=0)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from megatron3d.config import ModelConfig
 from megatron3d.model.context import LayerContext
 from megatron3d.model.embedding import FinalNorm, InputEmbedding, InputNorm, OutputEmbedding
 from megatron3d.model.transformer import TransformerLayer
+from megatron3d.mpu import comm
 from megatron3d.mpu.cross_entropy import vocab_parallel_cross_entropy
 from megatron3d.mpu.state import AxisGroup
 from megatron3d.pipeline.partition import fixed_layout, layer_weights, partition_layers
@@ -87,8 +88,16 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
             ctx: LayerContext) -> torch.Tensor:
     """Mean next-token cross entropy over unmasked tokens of one micro-batch (fp32 scalar).
 
-    logits: [s, b, v/tp]; labels and loss_mask: [b, s].
+    logits: [s, b, v/tp]; labels and loss_mask: [b, s] (this rank's shard of each sequence
+    under context parallelism). With CP size C, a rank's term is its masked sum over the
+    whole micro-batch's unmasked count, times C: gradients are averaged over dp x cp (a
+    division by C that this undoes), and so is the reported loss, whose sum over the CP
+    ranks is the micro-batch's mean.
     """
     losses = vocab_parallel_cross_entropy(logits, labels.t(), ctx.tp, ctx.cfg.vocab_size)
     mask = loss_mask.t().to(losses.dtype)  # [s, b]
-    return (losses * mask).sum() / mask.sum()
+    count = mask.sum()
+    if ctx.cp.size == 1:
+        return (losses * mask).sum() / count
+    count = comm.all_reduce(count.detach(), ctx.cp)  # every CP rank's unmasked tokens
+    return (losses * mask).sum() / count * ctx.cp.size

@@ -11,9 +11,10 @@ model while each rank draws only the blocks its slices touch (``seeded_normal``:
 stream (same seed on every TP rank, for dropout on replicated activations) and named extra
 streams, such as "model-parallel" (offset by the TP rank, for dropout on TP-split
 activations), are swapped in with ``fork()``. Both are offset by the pipeline rank, as in
-Megatron, so stages do not draw the same masks in the same order. Dropout therefore depends
-on the layout (initialisation does not). The state is saved in checkpoints and restored for
-activation recompute.
+Megatron, so stages do not draw the same masks in the same order, and by the
+context-parallel rank, whose activations are other tokens of the sequence. Dropout
+therefore depends on the layout (initialisation does not). The state is saved in
+checkpoints and restored for activation recompute.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 MODEL_PARALLEL = "model-parallel"
 _MODEL_PARALLEL_SEED_OFFSET = 2718  # keeps the TP stream away from the default seed
 _PIPELINE_SEED_STRIDE = 100  # Megatron's per-stage offset of both streams' seeds
+# Per context-parallel rank: above every pipeline and TP offset, so no two ranks share a seed
+_CONTEXT_SEED_STRIDE = 1 << 20
 # Elements of one independently seeded block of a logical weight (256 KiB in fp32): small
 # enough that a slice wastes little at its ends, large enough that per-block overhead (a
 # generator and a kernel launch) is negligible. Changing it changes every initial weight.
@@ -131,10 +134,11 @@ class RNGStreams:
         self._states: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def create(cls, seed: int, tp_rank: int, pp_rank: int, dev: torch.device) -> RNGStreams:
-        """Seed the default stream (CPU and every device) from ``seed`` and the pipeline
-        stage; add the TP stream, which also differs per TP rank."""
-        seed += _PIPELINE_SEED_STRIDE * pp_rank
+    def create(cls, seed: int, tp_rank: int, pp_rank: int, dev: torch.device,
+               cp_rank: int = 0) -> RNGStreams:
+        """Seed the default stream (CPU and every device) from ``seed``, the pipeline stage
+        and the context-parallel rank; add the TP stream, which also differs per TP rank."""
+        seed += _PIPELINE_SEED_STRIDE * pp_rank + _CONTEXT_SEED_STRIDE * cp_rank
         torch.manual_seed(seed)
         streams = cls(dev)
         streams.add(MODEL_PARALLEL, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)

@@ -280,10 +280,13 @@ def _describe(op: Dump) -> str:
 
 
 def coords(a: Analysis, rank: int) -> str:
-    """'rank R (tp T, pp P, dp D)'; Megatron's rank order gives a missing rank's place."""
+    """'rank R (tp T, pp P, dp D)', with 'cp C' under context parallelism; Megatron's rank
+    order (tp, cp, dp, pp) gives a missing rank's place."""
     sizes = next(iter(a.dumps.values()))["sizes"]
-    tp, dp = sizes["tp"], sizes["dp"]
-    return f"rank {rank} (tp {rank % tp}, pp {rank // (tp * dp)}, dp {rank // tp % dp})"
+    tp, dp, cp = sizes["tp"], sizes["dp"], sizes.get("cp", 1)
+    split = f", cp {rank // tp % cp}" if cp > 1 else ""
+    return (f"rank {rank} (tp {rank % tp}, pp {rank // (tp * cp * dp)}, "
+            f"dp {rank // (tp * cp) % dp}{split})")
 
 
 def format_report(a: Analysis, notes: list[str]) -> str:

@@ -89,8 +89,7 @@ class Watchdog:
         r = cfg.resilience
         directory = default_dump_dir(r.hang_dump_dir, cfg.checkpoint.save)
         return cls(recorder, directory, state.world_rank,
-                   {"tp": state.tp.size, "pp": state.pp.size, "dp": state.dp.size},
-                   {"tp": state.tp.rank, "pp": state.pp.rank, "dp": state.dp.rank},
+                   _axes(state, lambda axis: axis.size), _axes(state, lambda axis: axis.rank),
                    r.hang_timeout, {phase: r.budget(name) for phase, name in PHASES.items()},
                    board, devices.backend_trace_writer(directory, state.world_rank))
 
@@ -233,3 +232,12 @@ def default_dump_dir(dump_dir: str | None, save: str | None) -> Path:
     if dump_dir:
         return Path(dump_dir)
     return Path(save) / "hang" if save else Path("hang")
+
+
+def _axes(state: ParallelState, value: Callable) -> dict[str, int]:
+    """``value`` of each axis a hang dump names this rank by: tp, pp, dp, and cp when the run
+    splits sequences."""
+    axes = {"tp": state.tp, "pp": state.pp, "dp": state.dp}
+    if state.cp.size > 1:
+        axes["cp"] = state.cp
+    return {name: value(axis) for name, axis in axes.items()}

@@ -26,6 +26,7 @@ from megatron3d.checkpoint.local.setup import LocalCheckpoints, open_local
 from megatron3d.checkpoint.progress import Progress, new_series
 from megatron3d.checkpoint.reader import find
 from megatron3d.config import TrainConfig
+from megatron3d.cp.batch import shard_micro_batch
 from megatron3d.data.documents import Documents
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.data.vocab_padding import check_vocab_padding
@@ -34,7 +35,7 @@ from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss, split_layers
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.replicas import check_tp_replicas, counted_once
-from megatron3d.mpu.state import ParallelState
+from megatron3d.mpu.state import AxisGroup, ParallelState
 from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
@@ -86,7 +87,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     """``started``: ``time.monotonic()`` at process start, for --exit-duration-in-mins."""
     given = overrides or Overrides()
     check_same_config(cfg, state.world, dev)  # before anything could hang on a mismatch
-    schedule = BatchSchedule.from_config(cfg.training, state.dp.size)
+    schedule = BatchSchedule.from_config(cfg.training, state.dp.size)  # dp reads samples
     total_iters, train_samples = run_length(cfg, schedule)
     heartbeat = given.hooks.heartbeat  # the slow start-up phases get their own allowances
     with heartbeat.allowance("dataset index building"):
@@ -98,7 +99,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     lr_schedule = loading.resume_schedule(cfg, LRSchedule.from_config(
         cfg.optimizer, cfg.lr_schedule, train_samples, schedule.samples_for_iters,
         iteration_based=cfg.training.train_iters is not None))  # before the model: may refuse
-    rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev)
+    rng = RNGStreams.create(cfg.training.seed, state.tp.rank, state.pp.rank, dev,
+                            cp_rank=state.cp.rank)
     # A checkpoint to load fills every weight: then nothing is drawn and the weights start at
     # zero, equal on all copies for the replica checks until it does. The stage is built on
     # the meta device; the ZeRO stage allocates its storage and draws this rank's share.
@@ -110,13 +112,15 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel,
-                       draw_weights=directory is None, defer_init=True)
+                       draw_weights=directory is None, defer_init=True, cp=state.cp,
+                       cp_comm_type=cfg.parallel.cp_comm_type)
     logger.info(format_padded_vocab(cfg.model.vocab_size, ctx.padded_vocab_size))
     size = model_size(ctx)
     engine = _wrapped(given.engine, build_engine(cfg, state, ctx, size))
     params = list(engine.stage.parameters())
     tied = TiedWeights(params, state.embedding)
-    data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp,
+    # CP ranks hold replicas of the weights too: ZeRO shards and averages over dp x cp
+    data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp_cp,
                                         cfg.parallel, functools.partial(counted_once, state),
                                         dev, tuple(len(chunk.layers) for chunk in engine.chunks))
     engine.observers.extend(o for o in (data_parallel.observer, *given.observers)
@@ -140,14 +144,14 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                 f"{size.unique:,}")
     model = ModelParts(engine, optimizer, data_parallel,
                        _wrapped(given.grad_sync, GradSync(params, data_parallel, tied, state)),
-                       _wrapped(given.check_replicas, check_replicas), state.dp)
+                       _wrapped(given.check_replicas, check_replicas), state.dp_cp)
     saver = (checkpoint.Saver(cfg, state, params, optimizer, rng, lr_schedule, series)
              if cfg.checkpoint.save else None)
     local_save = (None if local is None else local.saver(
         cfg, state, params, optimizer, rng, lr_schedule, saver.series if saver else series))
     writer = TensorBoardWriter(cfg.logging.tensorboard_dir,
                                enabled=state.world_rank == logging_rank(state))
-    rerun = (BadStepRerun(cfg.resilience, engine, optimizer, model.grad_sync, state.dp,
+    rerun = (BadStepRerun(cfg.resilience, engine, optimizer, model.grad_sync, state.dp_cp,
                           state.world, rng, writer,
                           logs=state.world_rank == logging_rank(state), fp16=cfg.precision.fp16,
                           seq_length=cfg.model.seq_length, save=cfg.checkpoint.save)
@@ -186,8 +190,19 @@ def _run_data(data: Datasets, cfg: TrainConfig, state: ParallelState, dev: torch
         read = reader(dataset)
         return lambda i: read(i * gbs, gbs)
 
-    return RunData(train=reader(data.train), valid=evaluation(data.valid),
-                   test=None if data.test is None else evaluation(data.test))
+    # The CP ranks of a DP rank read the same micro-batches; each keeps its shard of them.
+    test = None if data.test is None else on_cp_rank(evaluation(data.test), state.cp)
+    return RunData(train=on_cp_rank(reader(data.train), state.cp),
+                   valid=on_cp_rank(evaluation(data.valid), state.cp), test=test)
+
+
+def on_cp_rank(read: Callable[..., list[MicroBatch]],
+               cp: AxisGroup) -> Callable[..., list[MicroBatch]]:
+    """``read``'s micro-batches cut to this context-parallel rank's tokens (``cp/batch.py``);
+    ``read`` itself without CP."""
+    if cp.size == 1:
+        return read
+    return lambda *position: [shard_micro_batch(mb, cp) for mb in read(*position)]
 
 
 def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
@@ -204,8 +219,9 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
              for c in range(v)]  # chunk c is virtual stage c * p + rank
     chunks = build_chunks(specs, spans)
     stage = chunks[0] if v == 1 else VirtualStages(chunks)
-    tp = state.tp.size if cfg.parallel.sequence_parallel else 1
-    shape = (cfg.model.seq_length // tp, cfg.training.micro_batch_size, cfg.model.hidden_size)
+    tp = state.tp.size if cfg.parallel.sequence_parallel else 1  # CP's shard, split by SP
+    shape = (cfg.model.seq_length // (state.cp.size * tp), cfg.training.micro_batch_size,
+             cfg.model.hidden_size)
     return PipelineEngine(
         stage, state.pp, lambda out, batch: lm_loss(out, batch.labels, batch.loss_mask, ctx),
         activation_shape=shape, dtype=ctx.params_dtype, device=ctx.device,
@@ -215,12 +231,13 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
 def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataParallel,
                     params: list[nn.Parameter]) -> MixedPrecisionOptimizer:
     """The optimizer over this rank's shard (all of the stage without ZeRO). Under ZeRO the
-    gradients are spread over DP too; without it, DP ranks hold replicas that must agree."""
+    gradients are spread over DP too; without it, DP ranks hold replicas that must agree
+    (DP here is dp x cp: context-parallel ranks hold replicas of the weights as well)."""
     stage = cfg.parallel.zero_stage
     optimizer = MixedPrecisionOptimizer(
         data_parallel.shard, cfg.optimizer, cfg.precision,
-        norm_axes=[state.mp, state.dp] if stage else [state.mp],
-        gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp],
+        norm_axes=[state.mp, state.dp_cp] if stage else [state.mp],
+        gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp_cp],
         count_zeros=cfg.logging.log_num_zeros_in_grad)
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
     replicas = "" if state.cp.size == 1 else f" x CP={state.cp.size}"

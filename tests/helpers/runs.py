@@ -41,6 +41,7 @@ def build(argv: list[str], overrides: Overrides | None = None, *,
     validate(cfg, torch.distributed.get_world_size())
     state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
                                 cfg.parallel.pipeline_model_parallel_size,
+                                cp_size=cfg.parallel.context_parallel_size,
                                 directed_links=directed_links)
     given = overrides or Overrides()
     if hooks:
@@ -66,7 +67,7 @@ def train(argv: list[str], *, directed_links: bool | None = None,
                       for p in group)
 
     trainer.model.data_parallel.materialize(grab)
-    eval_loss = evaluate(trainer.model.engine, trainer.data.valid, 1, state.dp)
+    eval_loss = evaluate(trainer.model.engine, trainer.data.valid, 1, state.dp_cp)
     return RunResult([x.item() for x in losses], [x.item() for x in norms], params, eval_loss,
                      last_stage=state.is_last_stage)
 

@@ -64,6 +64,22 @@ def test_pipeline_stages_get_their_own_streams() -> None:
     assert torch.equal(torch.rand(4), d1)
 
 
+def test_context_parallel_ranks_drop_out_their_own_tokens() -> None:
+    """CP ranks hold other tokens of a sequence: both streams differ per CP rank, which no
+    pipeline stage or TP rank shares; CP rank 0 keeps the seeds a run without CP has."""
+    def draw(**ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        streams = RNGStreams.create(seed=5, dev=CPU, **{"tp_rank": 0, "pp_rank": 0, **ranks})
+        with streams.fork():
+            forked = torch.rand(4)
+        return torch.rand(4), forked
+
+    base, cp1 = draw(), draw(cp_rank=1)
+    assert all(torch.equal(a, b) for a, b in zip(draw(cp_rank=0), base, strict=True))
+    others = [draw(pp_rank=p, tp_rank=t) for p in range(3) for t in range(3)] + [draw(cp_rank=2)]
+    for default, forked in [base, *others]:
+        assert not torch.equal(default, cp1[0]) and not torch.equal(forked, cp1[1])
+
+
 def test_state_round_trip_replays_both_streams() -> None:
     streams = RNGStreams.create(seed=11, tp_rank=1, pp_rank=0, dev=CPU)
     torch.rand(3)

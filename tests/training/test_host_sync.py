@@ -3,7 +3,7 @@ device->host transfer patched to raise, with every per-step option on: checkpoin
 with host syncs allowed, as a save may; the steps between run guarded, a background write
 going on with --async-save), evaluation (allowed to sync), TensorBoard every step, and the
 exit checks (signals, --exit-duration-in-mins, --kill-switch-path), which agree across ranks
-every step. ZeRO-0, 1 and 3, one and two pipeline stages, fp32 and bf16."""
+every step. ZeRO-0, 1 and 3, one and two pipeline stages, fp32 and bf16, context parallelism."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def _steps_without_sync(*flags: str, recorded: bool = False) -> dict:
 
 
 LAYOUTS = [(0, 1, ()), (0, 2, ("--bf16", "--async-save")), (1, 1, ("--bf16", "--async-save")),
-           (1, 2, ()), (3, 1, ("--async-save",)), (3, 2, ("--bf16",))]
+           (1, 2, ()), (3, 1, ("--async-save",)), (3, 2, ("--bf16",)),
+           (1, 1, ("--context-parallel-size", "2"))]  # the loss's token count over CP
 
 
 @pytest.mark.parametrize("zero, pp, extra", LAYOUTS,
