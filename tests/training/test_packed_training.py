@@ -1,7 +1,8 @@
 """Training on packed documents (--reset-position-ids, --reset-attention-mask,
 --eod-mask-loss) trains the same model under TP x PP (sequence parallel, interleaved, full
-and selective recompute) and with middle pipeline stages (which then read the tokens: their
-attention needs the documents) as in one process: losses, grad norms, parameters, validation
+and selective recompute), with middle pipeline stages (which then read the tokens: their
+attention needs the documents) and under context parallelism (documents across the chunks,
+each exchange) as in one process: losses, grad norms, parameters, validation
 loss; for GPT-2 (learned positions), BLOOM (ALiBi) and Llama (RoPE, GQA)."""
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ VARIANTS = {  # label: (flavour, model flags, layout and features)
     "llama GQA, PP4 (two middle stages)": (
         "llama", GQA, ("--pipeline-model-parallel-size", "4", "--pp-partition-method",
                        "type:transformer")),
+    # documents crossing the context-parallel chunks: each exchange sees them
+    "llama GQA, CP2 x PP2, p2p": (
+        "llama", GQA, ("--context-parallel-size", "2", "--cp-comm-type", "p2p",
+                       "--pipeline-model-parallel-size", "2")),
+    "gpt2, CP4, a2a": ("gpt2", (), ("--context-parallel-size", "4", "--cp-comm-type", "a2a")),
+    "bloom, CP2 x TP2, sequence parallel, all_gather": (
+        "bloom", (), ("--context-parallel-size", "2", "--cp-comm-type", "all_gather",
+                      "--tensor-model-parallel-size", "2", "--sequence-parallel")),
 }
 
 
