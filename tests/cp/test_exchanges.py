@@ -8,14 +8,18 @@ here from the full sequence, not with ``cp/``'s helpers.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from megatron3d.cp import block
 from megatron3d.cp.attention import context_attention
 from megatron3d.cp.checks import ulysses_heads_error
 from megatron3d.cp.layout import rank_index, shard
 from megatron3d.cp.tokens import TokenInfo
+from megatron3d.mpu import comm, traffic
 from megatron3d.mpu.state import ParallelState
 from tests.helpers.dist import run_distributed
 from tests.helpers.tolerances import FP32
@@ -82,6 +86,19 @@ def _parallel(x: dict, state: ParallelState, comm_type: str) -> list[torch.Tenso
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+def _ring_events(x: dict, state: ParallelState) -> list[str]:
+    """The ring's transfers and blocks in the order it posts and runs them."""
+    events: list[str] = []
+    def record(kind: str, *_: object) -> None:
+        events.append(kind)
+    def timed(real: object) -> object:
+        return lambda *args: events.append("block") or real(*args)
+    with traffic.observing(record), mock.patch.object(block, "forward", timed(block.forward)), \
+            mock.patch.object(block, "backward", timed(block.backward)):
+        _parallel(x, state, "p2p")
+    return events
+
+
 def _worker(cp_size: int, comm_type: str) -> dict:
     state = ParallelState.build(1, 1, cp_size=cp_size)
     results = {}
@@ -91,7 +108,21 @@ def _worker(cp_size: int, comm_type: str) -> dict:
         x = _inputs(n, g, alibi, documents)
         want = [shard(t, 2, cp_size, state.cp.rank) for t in _reference(x)]
         results[name] = (_parallel(x, state, comm_type), want)
+        if name == "causal" and comm_type == "a2a":  # gloo's all-to-all of device tensors
+            with mock.patch.object(comm, "_gloo_on_device", return_value=True):
+                results["causal_device_path"] = (_parallel(x, state, comm_type), want)
+    if comm_type == "p2p":
+        results["events"] = _ring_events(_inputs(*CASES["causal"]), state)
     return results
+
+
+def _ring_order(cp_size: int) -> list[str]:
+    """Forward: each step's exchange posted before its block; backward likewise, then the
+    step's dK/dV passed on (the last to their owner)."""
+    step = ["send", "recv", "block"]
+    forward = step * (cp_size - 1) + ["block"]
+    backward = (step + ["send", "recv"]) * (cp_size - 1) + ["block", "send", "recv"]
+    return forward + backward
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
@@ -100,8 +131,11 @@ def test_exchange_matches_sdpa_over_the_whole_sequence(cp_size: int, comm_type: 
     ranks = run_distributed(_worker, cp_size, cp_size, comm_type)
     expected = {name for name, (n, g, *_) in CASES.items()
                 if comm_type != "a2a" or ulysses_heads_error(n, g, cp_size) is None}
+    expected |= {"a2a": {"causal_device_path"}, "p2p": {"events"}}.get(comm_type, set())
     for rank, results in enumerate(ranks):
         assert set(results) == expected
+        if comm_type == "p2p":
+            assert results.pop("events") == _ring_order(cp_size)
         for name, (got, want) in results.items():
             for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
                 torch.testing.assert_close(a, b, **FP32,
