@@ -10,7 +10,7 @@ probabilities are exp(scores - lse) (the flash-attention recurrence run backward
 Shapes: q [b, n, sq, d]; k, v [b, G, sk, d] with G dividing n (each key/value head serves
 n/G query heads, never copied); ``bias`` None or an additive float mask in q's dtype, -inf
 where hidden, broadcasting to [b, n, sq, sk]; ``causal``: the block is square and on the
-diagonal (query i sees keys 0..i), no bias.
+diagonal (query i sees at most keys 0..i, whatever the bias allows).
 """
 
 from __future__ import annotations

@@ -56,13 +56,15 @@ class _Ring:
 
     def mask(self, source: int, rows: slice, cols: slice,
              dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
-        """(additive mask or None, causal) of one block."""
+        """(additive mask or None, causal) of one block. The own shard's block is causal
+        even under its mask, which lets the kernel skip the half above the diagonal."""
+        causal = source == self.cp.rank
         if not self.explicit:
-            return None, source == self.cp.rank
+            return None, causal
         start = source * self.local
         keys = take(self.keys, slice(start, start + self.local))
         return additive_mask(take(self.info, rows), take(keys, cols), self.batch,
-                             self.slopes, dtype), False
+                             self.slopes, dtype), causal
 
     def pass_on(self, t: torch.Tensor) -> tuple[torch.Tensor, list[comm.Work]]:
         """Post sending ``t`` to the next rank and receiving the previous rank's into a new

@@ -24,16 +24,16 @@ def _hiding(sq: int, sk: int, hidden_rows: tuple[int, ...] = ()) -> torch.Tensor
     return bias
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_fused_and_fallback_agree(causal: bool) -> None:
+@pytest.mark.parametrize(("causal", "masked"), [(False, True), (True, False), (True, True)])
+def test_fused_and_fallback_agree(causal: bool, masked: bool) -> None:
     q, k, v = _qkv(sk=8)
-    bias = None if causal else _hiding(8, 8, hidden_rows=(2,))
+    bias = _hiding(8, 8, hidden_rows=(2,)) if masked else None
     fused, fallback = (block.forward(q, k, v, bias, causal, fused=f) for f in (True, False))
     for a, b in zip(fused, fallback, strict=True):
         torch.testing.assert_close(a, b, **FP32)
-    assert torch.isneginf(fused[1][:, :, 2]).all() != causal  # a row that sees no key
+    assert torch.isneginf(fused[1][:, :, 2]).all() == masked  # a row that sees no key
     # Backward reads a final lse, finite in every row (each query sees at least itself).
-    bias = None if causal else _hiding(8, 8)
+    bias = _hiding(8, 8) if masked else None
     out, lse = block.forward(q, k, v, bias, causal)
     grad = torch.randn_like(q)
     grads = [block.backward(grad, q, k, v, out, lse, bias, causal, fused=f) for f in (True, False)]

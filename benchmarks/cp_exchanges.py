@@ -1,0 +1,125 @@
+"""Forward + backward time of each context-parallel exchange (``cp/``) on C gloo ranks.
+
+Each rank holds s/C tokens of one causal attention (the 2C-chunk layout) and runs
+``context_attention`` with each ``--cp-comm-type``; a row is the median over ``--repeats``
+of the slowest rank's time (ranks start each repeat together), and its ratio to the
+all-gather exchange (the reference). For scale, the whole sequence on one process
+(SDPA, one thread) is timed first. ``--documents`` packs documents of ``--doc-length``
+tokens (explicit per-document masks instead of the kernels' causal one).
+
+    python -m benchmarks.cp_exchanges
+    python -m benchmarks.cp_exchanges --cp 4 --seq 4096 --groups 2 --documents
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from benchmarks.common import spawn
+from megatron3d.cp.attention import COMM_TYPES, context_attention
+from megatron3d.cp.checks import ulysses_heads_error
+from megatron3d.cp.layout import rank_index, shard
+from megatron3d.cp.tokens import TokenInfo
+from megatron3d.mpu import comm
+from megatron3d.mpu.state import ParallelState
+
+
+def _inputs(a: argparse.Namespace) -> tuple[list[torch.Tensor], TokenInfo]:
+    """q, k, v, the output gradient over the whole sequence, and its tokens."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(a.heads, a.seq), (a.groups, a.seq), (a.groups, a.seq), (a.heads, a.seq)]
+    tensors = [torch.randn(a.batch, h, s, a.head_dim, generator=gen) for h, s in shapes]
+    index = torch.arange(a.seq)
+    if not a.documents:
+        return tensors, TokenInfo(index=index)
+    docs = (index // a.doc_length).expand(a.batch, -1)
+    return tensors, TokenInfo(index=index, position_ids=(index % a.doc_length).expand(
+        a.batch, -1), doc_ids=docs)
+
+
+def _time(step: object, repeats: int, sync: object) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        sync()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _rank(a: argparse.Namespace) -> dict[str, float]:
+    state = ParallelState.build(1, 1, cp_size=a.cp)
+    c, r = a.cp, state.cp.rank
+    (q, k, v, grad), full = _inputs(a)
+    q, k, v, grad = (shard(t, 2, c, r) for t in (q, k, v, grad))
+    cut = None if full.doc_ids is None else (lambda t: shard(t, 1, c, r))
+    info = TokenInfo(index=rank_index(a.seq, c, r),
+                     position_ids=None if cut is None else cut(full.position_ids),
+                     doc_ids=None if cut is None else cut(full.doc_ids))
+    flag = torch.zeros(1)
+    timings = {}
+    for comm_type in COMM_TYPES:
+        if comm_type == "a2a" and ulysses_heads_error(a.heads, a.groups, c):
+            continue
+        def step(comm_type: str = comm_type) -> None:
+            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+            context_attention(*qkv, info, state.cp, None, 0.0, comm_type).backward(grad)
+        elapsed = torch.tensor([_time(step, a.repeats, lambda: comm.all_reduce(flag,
+                                                                             state.cp))])
+        timings[comm_type] = comm.all_reduce(elapsed, state.cp, op=comm.MAX).item()
+    return timings
+
+
+def _whole_sequence(a: argparse.Namespace) -> float:
+    """One process, one thread, SDPA over the whole sequence."""
+    (q, k, v, grad), full = _inputs(a)
+    mask = None
+    if full.doc_ids is not None:
+        same = full.doc_ids[:, None, :, None] == full.doc_ids[:, None, None, :]
+        mask = same & torch.ones(a.seq, a.seq, dtype=torch.bool).tril()
+    def step() -> None:
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*qkv, attn_mask=mask, is_causal=mask is None,
+                                       enable_gqa=a.groups != a.heads).backward(grad)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time(step, a.repeats, lambda: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--documents", action="store_true")
+    p.add_argument("--doc-length", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    whole = _whole_sequence(a)
+    timings = spawn(_rank, a.cp, a)[0]
+    out = sys.stdout
+    out.write(f"b={a.batch} n={a.heads} G={a.groups} s={a.seq} d={a.head_dim} C={a.cp}"
+              f"{' documents' if a.documents else ''}, fp32, forward + backward, median of "
+              f"{a.repeats}\n")
+    out.write(f"{'whole sequence, 1 process':>26}: {whole * 1e3:8.1f} ms\n")
+    for comm_type, t in timings.items():
+        ratio = t / timings["all_gather"]
+        out.write(f"{comm_type + f' on {a.cp} ranks':>26}: {t * 1e3:8.1f} ms  "
+                  f"{ratio:.2f} x all_gather\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
