@@ -1,8 +1,8 @@
 """Forward + backward time of each context-parallel exchange (``cp/``) on C gloo ranks.
 
 Each rank holds s/C tokens of one causal attention (the 2C-chunk layout) and runs
-``context_attention`` with each ``--cp-comm-type``; a row is the median over ``--repeats``
-of the slowest rank's time (ranks start each repeat together), and its ratio to the
+``context_attention`` with each ``--cp-comm-type``, taking turns; a row is the slowest
+rank's median over ``--repeats`` (ranks start each repeat together), and its ratio to the
 all-gather exchange (the reference). For scale, the whole sequence on one process
 (SDPA, one thread) is timed first. ``--documents`` packs documents of ``--doc-length``
 tokens (explicit per-document masks instead of the kernels' causal one).
@@ -43,14 +43,17 @@ def _inputs(a: argparse.Namespace) -> tuple[list[torch.Tensor], TokenInfo]:
         a.batch, -1), doc_ids=docs)
 
 
-def _time(step: object, repeats: int, sync: object) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        sync()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def _time(steps: dict[str, object], repeats: int, sync: object) -> dict[str, float]:
+    """Median time of each step; the steps take turns, so that a change in the machine's
+    load reaches all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        for name, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def _rank(a: argparse.Namespace) -> dict[str, float]:
@@ -63,17 +66,17 @@ def _rank(a: argparse.Namespace) -> dict[str, float]:
                      position_ids=None if cut is None else cut(full.position_ids),
                      doc_ids=None if cut is None else cut(full.doc_ids))
     flag = torch.zeros(1)
-    timings = {}
-    for comm_type in COMM_TYPES:
-        if comm_type == "a2a" and ulysses_heads_error(a.heads, a.groups, c):
-            continue
-        def step(comm_type: str = comm_type) -> None:
+
+    def step(comm_type: str) -> object:
+        def run() -> None:
             qkv = [t.detach().requires_grad_() for t in (q, k, v)]
             context_attention(*qkv, info, state.cp, None, 0.0, comm_type).backward(grad)
-        elapsed = torch.tensor([_time(step, a.repeats, lambda: comm.all_reduce(flag,
-                                                                             state.cp))])
-        timings[comm_type] = comm.all_reduce(elapsed, state.cp, op=comm.MAX).item()
-    return timings
+        return run
+    steps = {comm_type: step(comm_type) for comm_type in COMM_TYPES
+             if comm_type != "a2a" or ulysses_heads_error(a.heads, a.groups, c) is None}
+    medians = _time(steps, a.repeats, lambda: comm.all_reduce(flag, state.cp))
+    slowest = comm.all_reduce(torch.tensor(list(medians.values())), state.cp, op=comm.MAX)
+    return dict(zip(medians, slowest.tolist(), strict=True))
 
 
 def _whole_sequence(a: argparse.Namespace) -> float:
@@ -90,7 +93,7 @@ def _whole_sequence(a: argparse.Namespace) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _time(step, a.repeats, lambda: None)
+        return _time({"whole": step}, a.repeats, lambda: None)["whole"]
     finally:
         torch.set_num_threads(threads)
 

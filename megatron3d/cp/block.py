@@ -16,11 +16,13 @@ diagonal (query i sees at most keys 0..i, whatever the bias allows).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 # The CPU's fused flash kernel returns the logsumexp a merge needs and recomputes a block's
-# probabilities in backward from it; SDPA's public API returns neither. It is a private op:
-# used only here, behind ``forward``/``backward``, with the matmul fallback below wherever it
-# is missing (other devices, other torch versions).
+# probabilities in backward from it; SDPA's public API returns neither (nor takes a mask and
+# causal skipping at once). It is a private op: used only here, behind ``forward``,
+# ``backward`` and ``causal_attention``, each with a fallback wherever it is missing (other
+# devices, other torch versions): matmuls, or SDPA.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten,
                               "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -65,6 +67,19 @@ def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dq = _grouped(ds, k.float())
     dk = ds.reshape(b, groups, -1, sk).transpose(2, 3) @ q.float().reshape(b, groups, -1, d)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     bias: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """softmax attention of tokens in sequence order, causal and, given one, under ``bias``
+    (which must itself hide every key after its query), through autograd -> [b, n, s, d].
+    The fused CPU kernel takes both at once and so skips the hidden upper half; SDPA takes
+    one or the other (and has the dropout)."""
+    if dropout_p == 0 and bias is not None and _use_fused(q, None):
+        return _FLASH_CPU(q, k, v, 0.0, True, attn_mask=bias)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                          is_causal=bias is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,

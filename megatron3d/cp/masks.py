@@ -48,8 +48,8 @@ def gather_info(info: TokenInfo, cp: AxisGroup) -> TokenInfo:
                      doc_ids=cat(info.doc_ids, 1))
 
 
-def take(info: TokenInfo, part: slice) -> TokenInfo:
-    """The tokens ``part`` of ``info``."""
+def take(info: TokenInfo, part: slice | torch.Tensor) -> TokenInfo:
+    """The tokens ``part`` (a slice, or the places in a new order) of ``info``."""
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[:, part]
     return TokenInfo(index=info.index[part], position_ids=cut(info.position_ids),

@@ -12,9 +12,9 @@ the heads and query groups (``checks.ulysses_heads_error``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
-from megatron3d.cp.masks import additive_mask, gather_info
+from megatron3d.cp.block import causal_attention
+from megatron3d.cp.masks import additive_mask, gather_info, take
 from megatron3d.cp.tokens import TokenInfo
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
@@ -66,19 +66,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: T
                       cp: AxisGroup, slopes: torch.Tensor | None,
                       dropout_p: float) -> torch.Tensor:
     """q [b, n, s/C, d], k and v [b, G, s/C, d], ``slopes`` [n] -> [b, n, s/C, d]."""
-    q, k, v = (_ToHeads.apply(t, cp) for t in (q, k, v))
     tokens = gather_info(info, cp)
-    if tokens.plain_causal and slopes is None:
-        # Put the tokens in sequence order: the kernel's own causal mask then serves (and
-        # skips the hidden half of the scores).
-        order = tokens.index.argsort()
-        q, k, v = (t.index_select(2, order) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                             enable_gqa=k.shape[1] != q.shape[1])
-        out = out.index_select(2, order.argsort())
-    else:
+    # Rank-major order to sequence order: the kernel's causal mask then applies (and skips
+    # the hidden half of the scores); documents and ALiBi add their mask on top.
+    order = tokens.index.argsort()
+    q, k, v = (_ToHeads.apply(t, cp).index_select(2, order) for t in (q, k, v))
+    bias = None
+    if not tokens.plain_causal or slopes is not None:
         heads = None if slopes is None else slopes.view(cp.size, -1)[cp.rank]
-        bias = additive_mask(tokens, tokens, q.shape[0], heads, q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        in_order = take(tokens, order)
+        bias = additive_mask(in_order, in_order, q.shape[0], heads, q.dtype)
+    out = causal_attention(q, k, v, bias, dropout_p).index_select(2, order.argsort())
     return _ToSequence.apply(out, cp)

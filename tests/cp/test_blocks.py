@@ -3,6 +3,8 @@ merge of two key blocks equals one block over all the keys."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -52,3 +54,18 @@ def test_two_blocks_merged_equal_one_block() -> None:
     block.merge_(out, lse, part_out, part_lse)
     torch.testing.assert_close(out, whole_out, **FP32)
     torch.testing.assert_close(lse, whole_lse, **FP32)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_causal_attention_under_a_mask_is_sdpa_under_it(fused: bool) -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv(sk=8))
+    bias = _hiding(8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                                            enable_gqa=True)
+    with mock.patch.object(block, "_FLASH_CPU", block._FLASH_CPU if fused else None):
+        got = block.causal_attention(q, k, v, bias, 0.0)
+    grad = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
+                    torch.autograd.grad(want, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(a, b, **FP32)
+    torch.testing.assert_close(got, want, **FP32)
