@@ -2,7 +2,7 @@
 
 Each rank holds s/C tokens of one causal attention (the 2C-chunk layout) and runs
 ``context_attention`` with each ``--cp-comm-type``, taking turns; a row is the slowest
-rank's median over ``--repeats`` (ranks start each repeat together), and its ratio to the
+rank's best of ``--repeats`` (ranks start each repeat together), and its ratio to the
 all-gather exchange (the reference). For scale, the whole sequence on one process
 (SDPA, one thread) is timed first. ``--documents`` packs documents of ``--doc-length``
 tokens (explicit per-document masks instead of the kernels' causal one).
@@ -14,7 +14,6 @@ tokens (explicit per-document masks instead of the kernels' causal one).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -44,8 +43,9 @@ def _inputs(a: argparse.Namespace) -> tuple[list[torch.Tensor], TokenInfo]:
 
 
 def _time(steps: dict[str, object], repeats: int, sync: object) -> dict[str, float]:
-    """Median time of each step; the steps take turns, so that a change in the machine's
-    load reaches all of them alike."""
+    """Each step's best time: the steps take turns, so that a change in the machine's load
+    reaches all of them alike, and the best of several is the least disturbed by others'
+    work on a shared machine."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats + 1):  # the first round is a warm-up
         for name, step in steps.items():
@@ -53,7 +53,7 @@ def _time(steps: dict[str, object], repeats: int, sync: object) -> dict[str, flo
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t[1:]) for name, t in times.items()}
+    return {name: min(t[1:]) for name, t in times.items()}
 
 
 def _rank(a: argparse.Namespace) -> dict[str, float]:
@@ -74,9 +74,9 @@ def _rank(a: argparse.Namespace) -> dict[str, float]:
         return run
     steps = {comm_type: step(comm_type) for comm_type in COMM_TYPES
              if comm_type != "a2a" or ulysses_heads_error(a.heads, a.groups, c) is None}
-    medians = _time(steps, a.repeats, lambda: comm.all_reduce(flag, state.cp))
-    slowest = comm.all_reduce(torch.tensor(list(medians.values())), state.cp, op=comm.MAX)
-    return dict(zip(medians, slowest.tolist(), strict=True))
+    best = _time(steps, a.repeats, lambda: comm.all_reduce(flag, state.cp))
+    slowest = comm.all_reduce(torch.tensor(list(best.values())), state.cp, op=comm.MAX)
+    return dict(zip(best, slowest.tolist(), strict=True))
 
 
 def _whole_sequence(a: argparse.Namespace) -> float:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     timings = spawn(_rank, a.cp, a)[0]
     out = sys.stdout
     out.write(f"b={a.batch} n={a.heads} G={a.groups} s={a.seq} d={a.head_dim} C={a.cp}"
-              f"{' documents' if a.documents else ''}, fp32, forward + backward, median of "
+              f"{' documents' if a.documents else ''}, fp32, forward + backward, best of "
               f"{a.repeats}\n")
     out.write(f"{'whole sequence, 1 process':>26}: {whole * 1e3:8.1f} ms\n")
     for comm_type, t in timings.items():
