@@ -132,18 +132,16 @@ class _RingAttention(torch.autograd.Function):
                 _wait(dkv_works)
             dkv[0][:, :, cols] += dk_part
             dkv[1][:, :, cols] += dv_part
-            if ring.cp.size > 1:  # on to the next rank; after the last step, to the owner
-                dkv, dkv_works = ring.pass_on(dkv)
+            dkv, dkv_works = ring.pass_on(dkv)  # on; after the last step, to their owner
             _wait(works)
             if works:
                 kv = received
-        if dkv_works:
-            _wait(dkv_works)
+        _wait(dkv_works)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo,
                    cp: AxisGroup, slopes: torch.Tensor | None) -> torch.Tensor:
-    """q [b, n, s_local, d], k and v [b, G, s_local, d] -> [b, n, s_local, d] (see the
-    module docstring)."""
+    """q [b, n, s_local, d], k and v [b, G, s_local, d] -> [b, n, s_local, d], over a CP
+    group of 2 or more ranks (see the module docstring)."""
     return _RingAttention.apply(q, k, v, _Ring(cp, info, slopes, q.shape[0]))
