@@ -64,7 +64,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: T
         return gathered_attention(q, k, v, info, cp, slopes, dropout_p)
     if comm_type == "p2p":
         if dropout_p > 0:
-            raise ValueError("the p2p ring has no attention dropout (checks.ring_dropout_error)")
+            raise ValueError("the p2p ring has no attention dropout (refused by validation)")
         return ring_attention(q, k, v, info, cp, slopes)
     if comm_type == "a2a":
         return ulysses_attention(q, k, v, info, cp, slopes, dropout_p)

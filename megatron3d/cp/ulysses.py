@@ -6,7 +6,7 @@ n/C query heads (and G/C key/value heads) for all s tokens, in rank-major order 
 tokens, then rank 1's: the layout's chunk order, not the sequence's). Attention then needs
 no further exchange; a second all-to-all returns each token's heads to the rank holding the
 token. Traffic per rank is constant in C, unlike the ring's; the price is that C must divide
-the heads and query groups (``checks.ulysses_heads_error``).
+the heads and query groups of each TP rank (refused by validation otherwise).
 """
 
 from __future__ import annotations
