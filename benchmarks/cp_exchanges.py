@@ -3,9 +3,10 @@
 Each rank holds s/C tokens of one causal attention (the 2C-chunk layout) and runs
 ``context_attention`` with each ``--cp-comm-type``, taking turns; a row is the slowest
 rank's best of ``--repeats`` (ranks start each repeat together), and its ratio to the
-all-gather exchange (the reference). For scale, the whole sequence on one process
-(SDPA, one thread) is timed first. ``--documents`` packs documents of ``--doc-length``
-tokens (explicit per-document masks instead of the kernels' causal one).
+all-gather exchange (the reference). For scale, the whole sequences on one process
+(SDPA, one thread) are timed first, and, when C divides ``--batch``, data parallelism at
+equal tokens: each rank SDPA over b/C whole sequences. ``--documents`` packs documents of
+``--doc-length`` tokens (explicit per-document masks instead of the kernels' causal one).
 
     python -m benchmarks.cp_exchanges
     python -m benchmarks.cp_exchanges --cp 4 --seq 4096 --groups 2 --documents
@@ -55,11 +56,28 @@ def _time(steps: dict[str, object], repeats: int, sync: object) -> dict[str, flo
     return {name: min(t[1:]) for name, t in times.items()}
 
 
+def _whole_step(a: argparse.Namespace, tensors: list[torch.Tensor],
+                full: TokenInfo) -> object:
+    """Forward + backward of SDPA over whole sequences (the samples of ``tensors``)."""
+    q, k, v, grad = tensors
+    mask = None
+    if full.doc_ids is not None:
+        docs = full.doc_ids[:q.shape[0]]
+        same = docs[:, None, :, None] == docs[:, None, None, :]
+        mask = same & torch.ones(a.seq, a.seq, dtype=torch.bool).tril()
+
+    def run() -> None:
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*qkv, attn_mask=mask, is_causal=mask is None,
+                                       enable_gqa=a.groups != a.heads).backward(grad)
+    return run
+
+
 def _rank(a: argparse.Namespace) -> dict[str, float]:
     state = ParallelState.build(1, 1, cp_size=a.cp)
     c, r = a.cp, state.cp.rank
-    (q, k, v, grad), full = _inputs(a)
-    q, k, v, grad = (shard(t, 2, c, r) for t in (q, k, v, grad))
+    whole, full = _inputs(a)
+    q, k, v, grad = (shard(t, 2, c, r) for t in whole)
     cut = None if full.doc_ids is None else (lambda t: shard(t, 1, c, r))
     info = TokenInfo(index=rank_index(a.seq, c, r),
                      position_ids=None if cut is None else cut(full.position_ids),
@@ -73,26 +91,21 @@ def _rank(a: argparse.Namespace) -> dict[str, float]:
         return run
     steps = {comm_type: step(comm_type) for comm_type in COMM_TYPES
              if comm_type != "a2a" or (a.heads % c == 0 and a.groups % c == 0)}
+    if a.batch % c == 0:  # data parallel at equal tokens: whole sequences, b/C of them
+        share = a.batch // c
+        steps["dp"] = _whole_step(a, [t[r * share:(r + 1) * share] for t in whole], full)
     best = _time(steps, a.repeats, lambda: comm.all_reduce(flag, state.cp))
     slowest = comm.all_reduce(torch.tensor(list(best.values())), state.cp, op=comm.MAX)
     return dict(zip(best, slowest.tolist(), strict=True))
 
 
 def _whole_sequence(a: argparse.Namespace) -> float:
-    """One process, one thread, SDPA over the whole sequence."""
-    (q, k, v, grad), full = _inputs(a)
-    mask = None
-    if full.doc_ids is not None:
-        same = full.doc_ids[:, None, :, None] == full.doc_ids[:, None, None, :]
-        mask = same & torch.ones(a.seq, a.seq, dtype=torch.bool).tril()
-    def step() -> None:
-        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-        F.scaled_dot_product_attention(*qkv, attn_mask=mask, is_causal=mask is None,
-                                       enable_gqa=a.groups != a.heads).backward(grad)
+    """One process, one thread: every sample's whole sequence."""
+    tensors, full = _inputs(a)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _time({"whole": step}, a.repeats, lambda: None)["whole"]
+        return _time({"whole": _whole_step(a, tensors, full)}, a.repeats, lambda: None)["whole"]
     finally:
         torch.set_num_threads(threads)
 
@@ -116,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{' documents' if a.documents else ''}, fp32, forward + backward, best of "
               f"{a.repeats}\n")
     out.write(f"{'whole sequence, 1 process':>26}: {whole * 1e3:8.1f} ms\n")
-    for comm_type, t in timings.items():
-        ratio = t / timings["all_gather"]
-        out.write(f"{comm_type + f' on {a.cp} ranks':>26}: {t * 1e3:8.1f} ms  "
-                  f"{ratio:.2f} x all_gather\n")
+    for name, t in timings.items():
+        label = (f"{name} on {a.cp} ranks" if name != "dp"
+                 else f"DP: {a.batch // a.cp} whole per rank")
+        out.write(f"{label:>26}: {t * 1e3:8.1f} ms  {t / timings['all_gather']:.2f} x "
+                  f"all_gather\n")
     return 0
 
 
