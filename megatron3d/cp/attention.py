@@ -2,11 +2,14 @@
 
 ``context_attention`` is the one entry point the model calls. Every exchange computes the
 same function: query i sees key j when index_j <= index_i (and, given documents, they are in
-the same one), with ALiBi's bias slope * (position_j - position_i) where given.
+the same one), with ALiBi's bias slope * (position_j - position_i) where given (``masks.py``).
 
-This module holds the all-gather exchange (every rank gathers the keys and values of the
-whole sequence and attends its own queries to them); the ring (p2p) and all-to-all (Ulysses)
-exchanges compute the same result with less memory or traffic.
+The exchanges (``--cp-comm-type``):
+- ``all_gather`` (here, the reference): every rank gathers the keys and values of the whole
+  sequence and attends its own queries to them;
+- ``p2p`` (``ring.py``): keys and values pass around the ring, one shard in memory at a
+  time, the exchange overlapped with the block in hand;
+- ``a2a`` (``ulysses.py``): all-to-all from sequence shards to head shards and back.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from megatron3d.cp.masks import alibi_bias, gather_info, visible
+from megatron3d.cp.ring import ring_attention
 from megatron3d.cp.tokens import TokenInfo
+from megatron3d.cp.ulysses import ulysses_attention
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -33,42 +41,31 @@ class _GatherSequence(torch.autograd.Function):
         return comm.reduce_scatter(grad.contiguous(), ctx.cp, dim=2), None
 
 
-def visible(q: TokenInfo, k: TokenInfo, batch: int) -> torch.Tensor:
-    """Bool [b or 1, 1, s_q, s_k]: True where query i may attend to key j."""
-    mask = (k.index.unsqueeze(0) <= q.index.unsqueeze(1)).view(1, 1, len(q.index), len(k.index))
-    if q.doc_ids is not None:
-        same = q.doc_ids.unsqueeze(2) == k.doc_ids.unsqueeze(1)  # [b, s_q, s_k]
-        mask = mask & same.unsqueeze(1)
-    return mask
-
-
-def alibi_bias(slopes: torch.Tensor, q: TokenInfo, k: TokenInfo, batch: int,
-               mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Float [b, n, s_q, s_k]: slope * (key position - query position), -inf where hidden;
-    computed in fp32, cast once."""
-    distance = (k.positions(batch).unsqueeze(1) - q.positions(batch).unsqueeze(2)).float()
-    bias = slopes.float().view(1, -1, 1, 1) * distance.unsqueeze(1)
-    return bias.masked_fill(~mask, float("-inf")).to(dtype)
-
-
-def gather_info(info: TokenInfo, cp: AxisGroup) -> TokenInfo:
-    """The whole sequence's TokenInfo, in the gathered (rank-major) order."""
-    def cat(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-        return None if t is None else comm.all_gather(t.contiguous(), cp, dim=dim)
-    return TokenInfo(index=cat(info.index, 0), position_ids=cat(info.position_ids, 1),
-                     doc_ids=cat(info.doc_ids, 1))
-
-
-def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo,
-                      cp: AxisGroup, slopes: torch.Tensor | None = None,
-                      dropout_p: float = 0.0, comm_type: str = "all_gather") -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask or ALiBi) v for this rank's queries against the whole
-    sequence: q [b, n, s_local, d], k and v [b, G, s_local, d] (G divides n), ``info`` this
-    rank's tokens, ``slopes`` [n] this rank's heads' ALiBi slopes -> [b, n, s_local, d].
-    ``comm_type`` (--cp-comm-type): every exchange is the all-gather one for now."""
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo,
+                       cp: AxisGroup, slopes: torch.Tensor | None,
+                       dropout_p: float) -> torch.Tensor:
+    """The all-gather exchange (and the whole computation when C = 1)."""
     keys = gather_info(info, cp) if cp.size > 1 else info
     k, v = (_GatherSequence.apply(t, cp) if cp.size > 1 else t for t in (k, v))
     mask = visible(info, keys, q.shape[0])
     bias = mask if slopes is None else alibi_bias(slopes, info, keys, q.shape[0], mask, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
                                           enable_gqa=k.shape[1] != q.shape[1])
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo,
+                      cp: AxisGroup, slopes: torch.Tensor | None = None,
+                      dropout_p: float = 0.0, comm_type: str = "p2p") -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask or ALiBi) v for this rank's queries against the whole
+    sequence: q [b, n, s_local, d], k and v [b, G, s_local, d] (G divides n), ``info`` this
+    rank's tokens, ``slopes`` [n] this rank's heads' ALiBi slopes -> [b, n, s_local, d].
+    With C = 1 there is nothing to exchange and every ``comm_type`` runs the same code."""
+    if cp.size == 1 or comm_type == "all_gather":
+        return gathered_attention(q, k, v, info, cp, slopes, dropout_p)
+    if comm_type == "p2p":
+        if dropout_p > 0:
+            raise ValueError("the p2p ring has no attention dropout (refused by validation)")
+        return ring_attention(q, k, v, info, cp, slopes)
+    if comm_type == "a2a":
+        return ulysses_attention(q, k, v, info, cp, slopes, dropout_p)
+    raise ValueError(f"unknown cp comm type {comm_type!r}; one of {COMM_TYPES}")

@@ -147,6 +147,26 @@ def reduce_scatter(t: torch.Tensor, axis: AxisGroup, dim: int,
     return out.movedim(0, dim)
 
 
+def all_to_all(t: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    """Cut ``t`` along dim 0 into one equal part per member and send part i to member i;
+    returns the parts received, in member order along dim 0 (a new tensor)."""
+    if axis.size == 1:
+        return t
+    _check(axis, "all_to_all", t)
+    src = t.contiguous()
+    if _gloo_on_device(t, axis):  # every rank's parts among zeros, summed; keep ours
+        every = torch.zeros((axis.size, *src.shape), dtype=t.dtype, device=t.device)
+        every[axis.rank].copy_(src)
+        dist.all_reduce(every, group=axis.group)
+        parts = every.view(axis.size, axis.size, -1, *src.shape[1:])  # [from, to, ...]
+        out = parts[:, axis.rank].reshape(src.shape)
+    else:
+        out = torch.empty_like(src)
+        dist.all_to_all_single(out, src, group=axis.group)
+    traffic.returned()
+    return out
+
+
 def start_all_reduce(t: torch.Tensor, axis: AxisGroup, tag: object = None,
                      op: dist.ReduceOp = SUM) -> dist.Work | None:
     """Begin reducing flat ``t`` in place over the axis; wait on the returned work (None when
