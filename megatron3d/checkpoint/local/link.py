@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron3d.checkpoint.local.priority import made_below_training
+
 _SIZE = torch.int64
 MAX_FRAMES = 8  # parts of one message: a header and a copy's few files
 Place = Callable[[memoryview, list[int]], list[memoryview] | None]
@@ -59,7 +61,8 @@ class PeerLink:
         nodes = local_world_size(world_size)
         self.peer = peer_of(rank, world_size, nodes)
         self.source = source_of(rank, world_size, nodes)
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.group = (made_below_training(lambda: dist.new_group(backend="gloo"))
+                      if world_size > 1 else None)
 
     def swap(self, outgoing: list[memoryview], place: Place | None = None) -> list[memoryview]:
         """Send the frames ``outgoing`` to the peer and return the source's, received into

@@ -24,8 +24,6 @@ remain.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -33,7 +31,7 @@ from pathlib import Path
 from torch import nn
 
 from megatron3d.checkpoint import io
-from megatron3d.checkpoint.local import pages, store
+from megatron3d.checkpoint.local import pages, priority, store
 from megatron3d.checkpoint.local.link import PeerLink
 from megatron3d.checkpoint.progress import Progress
 from megatron3d.checkpoint.saving import meta_of, rank_payload
@@ -46,7 +44,6 @@ from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 
 logger = get_logger(__name__)
-_NICE = 10  # the writer thread's niceness: below the training's 0
 
 
 class LocalSaver:
@@ -100,7 +97,7 @@ class LocalSaver:
         copy, swap with the peer and source (the source's copy received straight into the
         files of the held copy it replaces), barrier, confirm. The swap and the barrier
         happen whatever failed, so that no rank waits forever."""
-        _yield_to_training()
+        priority.lower_this_thread()
         rank, source = self.state.world_rank, self.link.source
         outgoing: list[memoryview] = []
         own = store.own_dir(self.root, rank)
@@ -158,10 +155,3 @@ def _place(held: Path, iteration: int, header: memoryview, sizes: list[int],
              for name, size in zip(names, sizes, strict=True)]
     staging.append(directory)
     return views
-
-
-def _yield_to_training() -> None:
-    """Lower this thread's CPU priority (Linux schedules threads alone): where the host's
-    cores are all busy, the training gets them first and the save takes the gaps."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
