@@ -5,13 +5,15 @@ On the training thread, at the save's step: the state is captured exactly as a g
 captures it (``snapshot.HostSnapshot``: the owned fp32 weights and Adam moments copied
 straight from the optimizer's tensors into one host buffer, pinned on GPUs; on a GPU this is
 a device-to-host copy and one device sync at the save point, as a global save's), with the
-RNG streams and meta.json's fields (``saving``'s own functions). A thread then checks the
-host copy is finite (a non-finite state is not kept), writes this rank's copy
-(``io.write_rank``, the global format: a same-layout ``loading.load`` reads it; not flushed
-to disk, a CRC guards it), sends the written bytes to the peer (``link.PeerLink``; the file
-mapped back, so on tmpfs no further copy), writes the copy its source sent it, and
-meets every rank at a barrier, after which its copy is marked confirmed: every rank then
-holds its own state and its source's of that iteration.
+RNG streams and meta.json's fields (``saving``'s own functions). A thread (below the
+training's CPU priority, ``priority.py``) then checks the host copy is finite (a
+non-finite state is not kept), writes this rank's copy (the global format: a same-layout
+``loading.load`` reads it; not flushed to disk, a CRC guards it) over the files of the
+oldest copy it replaces (``store.reuse``, ``pages.py``), sends the written bytes to the peer
+(``link.PeerLink``; the file mapped back, so no further copy) while receiving its source's
+copy straight into the files of the oldest held copy, and meets every rank at a barrier,
+after which its copy is marked confirmed: every rank then holds its own state and its
+source's of that iteration.
 
 At most one save is in flight: a save first waits for the one before. So when a rank
 finishes step k+1 and saves, every rank's state of step k is held twice (its thread passed
