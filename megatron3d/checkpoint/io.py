@@ -74,7 +74,8 @@ def _atomic_write(path: Path, write, sync: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def _save(payload: dict[str, Any], f) -> None:
+def serialize_rank(payload: dict[str, Any], f) -> None:
+    """A rank file's bytes into the open binary file ``f``."""
     try:
         torch.save(payload, f)
     except RuntimeError as err:  # torch's zip writer reports a failed write (a full disk)
@@ -82,7 +83,7 @@ def _save(payload: dict[str, Any], f) -> None:
 
 
 def write_rank(directory: Path, rank: int, payload: dict[str, Any], sync: bool = True) -> None:
-    _atomic_write(rank_file(directory, rank), lambda f: _save(payload, f), sync)
+    _atomic_write(rank_file(directory, rank), lambda f: serialize_rank(payload, f), sync)
 
 
 def write_meta(directory: Path, meta: dict[str, Any], sync: bool = True) -> None:

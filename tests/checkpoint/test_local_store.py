@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron3d.checkpoint.local import store
+from megatron3d.checkpoint import io
+from megatron3d.checkpoint.local import pages, store
 from megatron3d.checkpoint.local.link import peer_of, source_of
 from megatron3d.checkpoint.local.restore import choose, lost
 from megatron3d.checkpoint.snapshot import HostSnapshot
@@ -96,6 +97,34 @@ def test_the_newest_two_iterations_are_kept(tmp_path):
     store.prune(store.own_dir(tmp_path, 0))
     assert sorted(p.name for p in store.own_dir(tmp_path, 0).iterdir()) == [
         "iter_0000010", "iter_0000011"]
+
+
+def test_a_save_overwrites_the_files_of_the_copy_it_replaces(tmp_path):
+    """The oldest of ``KEEP`` copies leaves the listing (renamed to the new staging name)
+    before any byte changes, its files are rewritten in place (the same inodes: pages reused,
+    not freed and allocated again), cut to their new length, and what the new copy does not
+    name is removed; the newer copy stays whole throughout."""
+    parent = store.own_dir(tmp_path, 0)
+    for it in (8, 9):
+        files = {"rank_00000.pt": bytes([it]) * 4096, "meta.json": b"{}", "stale": b"x"}
+        store.write_copy(io.iteration_dir(parent, it), files, store.sidecar_of(0, it, "h", {}))
+    store.confirm(io.iteration_dir(parent, 8))
+    inodes = {p.name: p.stat().st_ino for p in io.iteration_dir(parent, 8).iterdir()}
+    staging = store.reuse(parent, 10)
+    assert [c.iteration for c in store.listed(tmp_path)] == [9]
+    assert sorted(p.name for p in staging.iterdir()) == ["meta.json", "rank_00000.pt", "stale"]
+    pages.overwrite(staging / "rank_00000.pt", lambda f: f.write(b"new"))
+    pages.mapped(staging / "meta.json", 4)[:] = b'{"a"'[:4]
+    store.finish_copy(staging, io.iteration_dir(parent, 10), store.sidecar_of(0, 10, "h", {}),
+                      ["rank_00000.pt", "meta.json"])
+    done = io.iteration_dir(parent, 10)
+    assert sorted(p.name for p in done.iterdir()) == ["local.json", "meta.json", "rank_00000.pt"]
+    assert [(done / n).read_bytes() for n in ("rank_00000.pt", "meta.json")] == [b"new", b'{"a"']
+    assert all((done / n).stat().st_ino == inodes[n] for n in ("rank_00000.pt", "meta.json"))
+    assert [(c.iteration, c.confirmed) for c in store.listed(tmp_path)] == [(9, False),
+                                                                           (10, False)]
+    assert (io.iteration_dir(parent, 9) / "rank_00000.pt").read_bytes() == bytes([9]) * 4096
+    assert store.reuse(store.own_dir(tmp_path, 1), 3).name == "iter_0000003.tmp"  # no copy yet
 
 
 def _own(owner: int, it: int, confirmed: bool = True) -> tuple:

@@ -14,13 +14,19 @@ nodes) to the next rank.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron3d.checkpoint.local.priority import made_below_training
+
 _SIZE = torch.int64
 MAX_FRAMES = 8  # parts of one message: a header and a copy's few files
+Place = Callable[[memoryview, list[int]], list[memoryview] | None]
+"""(a message's header frame, the lengths of its other frames) -> the writable buffers to
+receive those into, or None for fresh memory."""
 
 
 def peer_of(rank: int, world_size: int, local_world_size: int) -> int:
@@ -55,29 +61,21 @@ class PeerLink:
         nodes = local_world_size(world_size)
         self.peer = peer_of(rank, world_size, nodes)
         self.source = source_of(rank, world_size, nodes)
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.group = (made_below_training(lambda: dist.new_group(backend="gloo"))
+                      if world_size > 1 else None)
 
-    def swap(self, outgoing: list[memoryview]) -> list[memoryview]:
-        """Send the frames ``outgoing`` to the peer and return the source's (sizes first)."""
+    def swap(self, outgoing: list[memoryview], place: Place | None = None) -> list[memoryview]:
+        """Send the frames ``outgoing`` to the peer and return the source's, received into
+        the buffers ``place`` gives (fresh memory without it, or where it gives None)."""
         if self.group is None:
             return outgoing
-        sizes = torch.zeros(MAX_FRAMES + 1, dtype=_SIZE)
-        self._both([(_sizes(outgoing), self.peer)], [(sizes, self.source)])
-        incoming = _buffers(sizes)
-        self._both([(_as_tensor(p), self.peer) for p in outgoing if len(p)],
-                   [(t, self.source) for t in incoming if t.numel()])
-        return [memoryview(t.numpy()) for t in incoming]
+        return self._exchange(outgoing, self.peer, self.source, place)
 
     def send(self, parts: list[memoryview], to: int) -> None:
-        self._both([(_sizes(parts), to)], [])
-        self._both([(_as_tensor(p), to) for p in parts if len(p)], [])
+        self._exchange(parts, to, None, None)
 
     def receive(self, source: int) -> list[memoryview]:
-        sizes = torch.zeros(MAX_FRAMES + 1, dtype=_SIZE)
-        self._both([], [(sizes, source)])
-        incoming = _buffers(sizes)
-        self._both([], [(t, source) for t in incoming if t.numel()])
-        return [memoryview(t.numpy()) for t in incoming]
+        return self._exchange([], None, source, None)
 
     def gather(self, mine: Any) -> list[Any]:
         """Every rank's ``mine`` (small plain data), in rank order."""
@@ -90,6 +88,24 @@ class PeerLink:
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+    def _exchange(self, outgoing: list[memoryview], to: int | None, source: int | None,
+                  place: Place | None) -> list[memoryview]:
+        """Frames to ``to`` and from ``source`` (either None: that way is idle), in three
+        rounds: the sizes, the first frame (a header saying what the others are), the
+        others, received where ``place`` says once it has read the header."""
+        sizes = torch.zeros(MAX_FRAMES + 1, dtype=_SIZE)
+        self._both(_at(to, [_sizes(outgoing)]), _at(source, [sizes]))
+        count, *lengths = sizes.tolist()
+        head, rest = lengths[:count][:1], lengths[:count][1:]
+        incoming = [memoryview(t.numpy()) for t in _buffers(head)]
+        self._both(_at(to, _tensors(outgoing[:1])), _at(source, _tensors(incoming)))
+        placed = place(incoming[0], rest) if place is not None and incoming else None
+        if placed is None:
+            placed = [memoryview(t.numpy()) for t in _buffers(rest)]
+        assert [len(p) for p in placed] == rest, "a placed buffer has its frame's length"
+        self._both(_at(to, _tensors(outgoing[1:])), _at(source, _tensors(placed)))
+        return incoming + placed
 
     def _both(self, sends: list[tuple[torch.Tensor, int]],
               recvs: list[tuple[torch.Tensor, int]]) -> None:
@@ -108,9 +124,17 @@ def _sizes(parts: list[memoryview]) -> torch.Tensor:
     return sizes
 
 
-def _buffers(sizes: torch.Tensor) -> list[torch.Tensor]:
-    count, *lengths = sizes.tolist()
-    return [torch.empty(n, dtype=torch.uint8) for n in lengths[:count]]
+def _buffers(lengths: list[int]) -> list[torch.Tensor]:
+    return [torch.empty(n, dtype=torch.uint8) for n in lengths]
+
+
+def _tensors(parts: list[memoryview]) -> list[torch.Tensor]:
+    """The parts that carry bytes, as tensors gloo sends from or receives into."""
+    return [_as_tensor(p) for p in parts if len(p)]
+
+
+def _at(rank: int | None, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    return [] if rank is None else [(t, rank) for t in tensors]
 
 
 def _as_tensor(part: memoryview) -> torch.Tensor:

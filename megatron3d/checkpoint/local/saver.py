@@ -5,13 +5,15 @@ On the training thread, at the save's step: the state is captured exactly as a g
 captures it (``snapshot.HostSnapshot``: the owned fp32 weights and Adam moments copied
 straight from the optimizer's tensors into one host buffer, pinned on GPUs; on a GPU this is
 a device-to-host copy and one device sync at the save point, as a global save's), with the
-RNG streams and meta.json's fields (``saving``'s own functions). A thread then checks the
-host copy is finite (a non-finite state is not kept), writes this rank's copy
-(``io.write_rank``, the global format: a same-layout ``loading.load`` reads it; not flushed
-to disk, a CRC guards it), sends the written bytes to the peer (``link.PeerLink``; the file
-mapped back, so on tmpfs no further copy), writes the copy its source sent it, and
-meets every rank at a barrier, after which its copy is marked confirmed: every rank then
-holds its own state and its source's of that iteration.
+RNG streams and meta.json's fields (``saving``'s own functions). A thread (below the
+training's CPU priority, ``priority.py``) then checks the host copy is finite (a
+non-finite state is not kept), writes this rank's copy (the global format: a same-layout
+``loading.load`` reads it; not flushed to disk, a CRC guards it) over the files of the
+oldest copy it replaces (``store.reuse``, ``pages.py``), sends the written bytes to the peer
+(``link.PeerLink``; the file mapped back, so no further copy) while receiving its source's
+copy straight into the files of the oldest held copy, and meets every rank at a barrier,
+after which its copy is marked confirmed: every rank then holds its own state and its
+source's of that iteration.
 
 At most one save is in flight: a save first waits for the one before. So when a rank
 finishes step k+1 and saves, every rank's state of step k is held twice (its thread passed
@@ -24,8 +26,6 @@ remain.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -33,7 +33,7 @@ from pathlib import Path
 from torch import nn
 
 from megatron3d.checkpoint import io
-from megatron3d.checkpoint.local import store
+from megatron3d.checkpoint.local import pages, priority, store
 from megatron3d.checkpoint.local.link import PeerLink
 from megatron3d.checkpoint.progress import Progress
 from megatron3d.checkpoint.saving import meta_of, rank_payload
@@ -46,7 +46,6 @@ from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.optim.mixed_precision import MixedPrecisionOptimizer
 
 logger = get_logger(__name__)
-_NICE = 10  # the writer thread's niceness: below the training's 0
 
 
 class LocalSaver:
@@ -97,39 +96,45 @@ class LocalSaver:
     def _write(self, iteration: int, payload: dict, meta: dict,
                snapshot: HostSnapshot) -> None:
         """The thread: the finiteness check (of the host copy: nothing on the device), own
-        copy, swap with the peer and source, held copy, barrier, confirm. The swap and the
-        barrier happen whatever failed, so that no rank waits forever."""
-        _yield_to_training()
+        copy, swap with the peer and source (the source's copy received straight into the
+        files of the held copy it replaces), barrier, confirm. The swap and the barrier
+        happen whatever failed, so that no rank waits forever."""
+        priority.lower_this_thread()
         rank, source = self.state.world_rank, self.link.source
         outgoing: list[memoryview] = []
-        own = store.copy_dir(self.root, rank, iteration)
+        own = store.own_dir(self.root, rank)
         if not snapshot.all_finite():
             logger.warning("local checkpoint at iteration %d: rank %d's weights are not "
                            "finite, not kept", iteration, rank)
         else:
-            outgoing = self._attempt(lambda: self._write_own(own, payload, meta)) or []
-        incoming = self.link.swap(outgoing)
-        if incoming and source != rank:
-            held = io.iteration_dir(store.held_dir(self.root, rank, source), iteration)
-            self._attempt(lambda: store.write_copy(held, *store.unframe(incoming)))
-            self._attempt(lambda: store.prune(held.parent))
+            outgoing = self._attempt(lambda: self._write_own(own, iteration, payload,
+                                                             meta)) or []
+        held = store.held_dir(self.root, rank, source)
+        staging: list[Path] = []  # where the source's copy was placed, if it was
+        incoming = self.link.swap(outgoing, place=lambda header, sizes: self._attempt(
+            lambda: _place(held, iteration, header, sizes, staging)))
+        if incoming and staging and source != rank:
+            names, sidecar = store.described(incoming[0])
+            self._attempt(lambda: store.finish_copy(
+                staging[0], io.iteration_dir(held, iteration), sidecar, names))
+            self._attempt(lambda: store.prune(held))
         self.link.barrier()
         if outgoing:
-            self._attempt(lambda: store.confirm(own))
-            self._attempt(lambda: store.prune(own.parent))
+            self._attempt(lambda: store.confirm(io.iteration_dir(own, iteration)))
+            self._attempt(lambda: store.prune(own))
 
-    def _write_own(self, directory: Path, payload: dict, meta: dict) -> list[memoryview]:
-        """This rank's copy (a global save's rank file and meta.json) and its frames for the
-        peer: the files mapped back (on tmpfs the pages written, not a copy of them)."""
-        staging = directory.with_name(directory.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        io.write_rank(staging, self.state.world_rank, payload, sync=False)
+    def _write_own(self, parent: Path, iteration: int, payload: dict,
+                   meta: dict) -> list[memoryview]:
+        """This rank's copy (a global save's rank file and meta.json, written over the files
+        of the copy it replaces) and its frames for the peer: the files mapped back (the
+        pages written, not a copy of them)."""
+        staging = store.reuse(parent, iteration)
+        rank_file = io.rank_file(staging, self.state.world_rank)
+        pages.overwrite(rank_file, lambda f: io.serialize_rank(payload, f))
         io.write_meta(staging, meta, sync=False)
-        files = store.mapped(staging)
-        sidecar = store.sidecar_of(self.state.world_rank, payload["iteration"],
-                                   self.config_hash, files)
-        store.finish_copy(staging, directory, sidecar)
+        files = {name: pages.mapped(staging / name) for name in (rank_file.name, "meta.json")}
+        sidecar = store.sidecar_of(self.state.world_rank, iteration, self.config_hash, files)
+        store.finish_copy(staging, io.iteration_dir(parent, iteration), sidecar, files)
         return store.frames(files, sidecar)
 
     def _attempt(self, work):
@@ -137,11 +142,18 @@ class LocalSaver:
             return work()
         except OSError as err:
             self._errors.append(f"{err.strerror or err} ({err.filename or self.root})")
-            return None
+        except ValueError as err:  # a malformed copy from the source
+            self._errors.append(f"{err} ({self.root})")
+        return None
 
 
-def _yield_to_training() -> None:
-    """Lower this thread's CPU priority (Linux schedules threads alone): where the host's
-    cores are all busy, the training gets them first and the save takes the gaps."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+def _place(held: Path, iteration: int, header: memoryview, sizes: list[int],
+           staging: list[Path]) -> list[memoryview]:
+    """Where the source's copy of ``iteration`` is received: its files in the staging
+    directory of ``held`` (the oldest held copy's, reused), mapped at their new lengths."""
+    names, _ = store.described(header)
+    directory = store.reuse(held, iteration)
+    views = [pages.mapped(directory / name, size)
+             for name, size in zip(names, sizes, strict=True)]
+    staging.append(directory)
+    return views

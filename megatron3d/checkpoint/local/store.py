@@ -6,11 +6,13 @@
 Each copy is a loadable checkpoint directory for its owner: ``meta.json`` and the owner's
 rank file, exactly as a global save writes them, plus ``local.json`` (owner, iteration,
 the configuration hash and a CRC-32 of meta.json: the rank file, a zip archive, holds one
-per record), and ``confirmed`` once every rank held
-its state of that iteration (the save's last barrier). A copy is written under
-``iter_N.tmp`` and renamed when complete, so a killed writer leaves no half copy that looks
-whole. KEY is ``$TORCHELASTIC_RUN_ID`` (torchrun keeps it across restarts of its workers),
-else ``$SLURM_JOB_ID`` (a requeue keeps it), else ``local``. ROOT is the node-local
+per record), and ``confirmed`` once every rank held its state of that iteration (the save's
+last barrier). A copy is written under ``iter_N.tmp`` and renamed when complete, so a
+killed writer leaves no half copy that looks whole; a save renames the oldest copy it
+replaces to that name and overwrites its files in place (``reuse``, ``pages.py``: no pages
+freed and allocated again at every save). KEY is ``$TORCHELASTIC_RUN_ID`` (torchrun keeps
+it across restarts of its workers), else ``$SLURM_JOB_ID`` (a requeue keeps it), else
+``local``. ROOT is the node-local
 ``--non-persistent-local-ckpt-dir``, or /dev/shm (host memory) for ``memory``.
 """
 
@@ -18,12 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
@@ -80,11 +81,31 @@ def write_copy(directory: Path, files: dict[str, bytes], sidecar: dict) -> None:
     staging.mkdir(parents=True)
     for name, data in files.items():
         (staging / name).write_bytes(data)
-    finish_copy(staging, directory, sidecar)
+    finish_copy(staging, directory, sidecar, files)
 
 
-def finish_copy(staging: Path, directory: Path, sidecar: dict) -> None:
-    """Write the sidecar of the files in ``staging`` and rename it to ``directory``."""
+def reuse(parent: Path, iteration: int) -> Path:
+    """The staging directory of ``iteration``'s copy in ``parent``, holding the files of the
+    copy the next ``prune`` would remove (the oldest of ``KEEP``), to be overwritten in
+    place (``pages.py``); the newer copies stay whole. It is renamed out of the listing
+    before its sidecar goes, so it is never seen complete with changed files."""
+    staging = parent / f"{io.iteration_dir(parent, iteration).name}.tmp"
+    found = _complete(parent)
+    if not staging.exists() and len(found) >= KEEP and found[0][0] < iteration:
+        os.replace(found[0][1], staging)
+        for name in (SIDECAR, CONFIRMED):
+            (staging / name).unlink(missing_ok=True)
+    staging.mkdir(parents=True, exist_ok=True)
+    return staging
+
+
+def finish_copy(staging: Path, directory: Path, sidecar: dict, names: Iterable[str]) -> None:
+    """Remove what else ``staging`` holds (a reused copy's leftovers), write the sidecar of
+    its files ``names`` and rename it to ``directory``."""
+    kept = set(names)
+    for path in staging.iterdir():
+        if path.name not in kept:
+            path.unlink()
     (staging / SIDECAR).write_text(json.dumps(sidecar, sort_keys=True))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(staging, directory)
@@ -112,20 +133,6 @@ def _zip_intact(data: bytes | memoryview) -> bool:
             return archive.testzip() is None
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
         return False
-
-
-def mapped(directory: Path) -> dict[str, memoryview]:
-    """The files a copy carries, memory-mapped copy-on-write (writable views that torch
-    can send without copying; nothing ever writes through them)."""
-    views = {}
-    for path in sorted(directory.iterdir()):
-        if path.name not in (SIDECAR, CONFIRMED):
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                views[path.name] = (memoryview(mmap.mmap(f.fileno(), size,
-                                                         access=mmap.ACCESS_COPY))
-                                    if size else memoryview(bytearray()))
-    return views
 
 
 def read_files(directory: Path) -> dict[str, bytes]:
@@ -189,14 +196,19 @@ def confirm(directory: Path) -> None:
 
 def prune(parent: Path) -> None:
     """Keep the newest ``KEEP`` copies in ``parent``; remove older ones and leftovers."""
-    found = sorted((_iteration(p.name), p) for p in parent.glob("iter_*")
-                   if not p.name.endswith(".tmp"))
+    found = _complete(parent)
     for _, old in found[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     newest = found[-1][0] if found else -1
     for tmp in parent.glob("iter_*.tmp"):
         if _iteration(tmp.name.removesuffix(".tmp")) < newest:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _complete(parent: Path) -> list[tuple[int, Path]]:
+    """The published copies in ``parent``, oldest first."""
+    return sorted((_iteration(p.name), p) for p in parent.glob("iter_*")
+                  if not p.name.endswith(".tmp"))
 
 
 def _iteration(name: str) -> int:
@@ -220,6 +232,17 @@ def unframe(parts: list[memoryview]) -> tuple[dict[str, memoryview], dict]:
     """``frames``' files (views into ``parts``) and sidecar back."""
     header = json.loads(bytes(parts[0]))
     return dict(zip(header["names"], parts[1:], strict=True)), header["sidecar"]
+
+
+def described(header: memoryview) -> tuple[list[str], dict]:
+    """The file names and sidecar a ``frames`` header announces (each name a plain name,
+    never a path)."""
+    found = json.loads(bytes(header))
+    names = found["names"]
+    if not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..")
+               for n in names):
+        raise ValueError(f"a copy's file names must be plain names, not {names}")
+    return names, found["sidecar"]
 
 
 def config_hash(config: dict, layout: dict) -> str:
