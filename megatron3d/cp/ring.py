@@ -15,8 +15,9 @@ every producer of TokenInfo under CP does (``layout.shard``, ``layout.rank_index
 Forward: step t attends to the shard of rank (r - t) mod C while the next one is already
 being received (``comm.start_exchange``, posted before the block's compute), and merges
 the block's (out, lse) in fp32 (``block.merge_``). Backward runs the ring again: each
-block's probabilities come back from the final lse, dQ accumulates here and the fp32 dK/dV
-of a shard travel with it, ending one step later at their owner.
+block's probabilities come back from the final lse, dQ accumulates here; the own shard's
+fp32 dK/dV stay here, the other shards' travel with them and reach their owner one step
+after the last (C - 1 transfers of dK/dV, not C).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class _RingAttention(torch.autograd.Function):
         ring: _Ring = ctx.ring
         kv = torch.stack((k, v))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        own = None  # the own shard's dK/dV: they never travel
         dkv = dkv_works = None  # the dK/dV travelling with the shard in hand
         for step in range(ring.cp.size):
             works = []
@@ -126,18 +128,24 @@ class _RingAttention(torch.autograd.Function):
                 grad[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                 out[:, :, rows], lse[:, :, rows], bias, causal)
             dq[:, :, rows] += dq_part
-            if dkv is None:
-                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            if step == 0:
+                own = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                own[0][:, :, cols] += dk_part
+                own[1][:, :, cols] += dv_part
             else:
-                _wait(dkv_works)
-            dkv[0][:, :, cols] += dk_part
-            dkv[1][:, :, cols] += dv_part
-            dkv, dkv_works = ring.pass_on(dkv)  # on; after the last step, to their owner
+                if dkv is None:  # step 1 starts the sum for the shard in hand
+                    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                else:
+                    _wait(dkv_works)
+                dkv[0][:, :, cols] += dk_part
+                dkv[1][:, :, cols] += dv_part
+                dkv, dkv_works = ring.pass_on(dkv)  # on; after the last step, to its owner
             _wait(works)
             if works:
                 kv = received
-        _wait(dkv_works)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        _wait(dkv_works)  # this rank's shard's sum from the other ranks, C - 1 hops later
+        own += dkv
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo,

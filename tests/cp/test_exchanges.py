@@ -121,11 +121,12 @@ def _worker(cp_size: int, comm_type: str) -> dict:
 
 
 def _ring_order(cp_size: int) -> list[str]:
-    """Forward: each step's exchange posted before its block; backward likewise, then the
-    step's dK/dV passed on (the last to their owner)."""
+    """Forward: each step's exchange posted before its block; backward likewise, then, after
+    every block but the own shard's (whose dK/dV stay), the dK/dV passed on (the last to
+    their owner)."""
     step = ["send", "recv", "block"]
     forward = step * (cp_size - 1) + ["block"]
-    backward = (step + ["send", "recv"]) * (cp_size - 1) + ["block", "send", "recv"]
+    backward = step + (step + ["send", "recv"]) * (cp_size - 2) + ["block", "send", "recv"]
     return forward + backward
 
 
