@@ -19,9 +19,10 @@ and G key/value heads of this TP rank, d the head size, e the activation dtype's
   instead); backward holds the gathered K/V gradients (C kv) before their reduce-scatter.
   Sends (C-1) kv forward (all-gather) and (C-1) kv backward (reduce-scatter), not
   overlapped;
-- a2a (Ulysses): keeps the head-sharded q, k, v and output, [b, s, (2n + 2G)/C, d] (as many
-  bytes as the local ones), and ALiBi's bias [b, n/C, s, s] where used; backward holds their
-  gradients as much again. Moves (C-1)/C of the local q, k, v and output each way per pass,
+- a2a (Ulysses): keeps the head-sharded q, k, v [b, s, (n + 2G)/C, d] in place of the local
+  ones (as many bytes), the output once (sequence-sharded, shared with the projection; without
+  attention dropout), the tokens' order (int64 [s]) and ALiBi's bias [b, n/C, s, s] where
+  used; backward holds q, k, v, output and their gradients as much again. Moves (C-1)/C of the local q, k, v and output each way per pass,
   not overlapped.
 
 A (full or selective) recompute of the attention core runs its forward exchange once more.
@@ -92,7 +93,7 @@ def kept_bytes(split: Split) -> dict[str, int]:
     if split.comm_type == "all_gather":
         return {"gathered keys and values": split.cp * split.kv,
                 **(bias or {"attention mask": e * split.scores})}
-    return {"head-sharded q, k, v and output": split.qkvo, **bias}
+    return {"the tokens' order": 8 * split.model.seq_length, **bias}
 
 
 def forward_buffers(split: Split) -> int:

@@ -16,9 +16,10 @@ from benchmarks.context_parallel import (
     model_config,
     step_rows,
 )
-from benchmarks.context_parallel_runs import trainer_argv
+from benchmarks.context_parallel_runs import layer_saved_bytes, trainer_argv
 from megatron3d.accounting.activations import layer_activation_bytes
 from megatron3d.cli.arguments import parse_args
+from tests.helpers.dist import run_distributed
 
 
 def test_the_layout_balances_causal_work_and_contiguous_shards_do_not():
@@ -62,3 +63,23 @@ def test_trainer_runs_hold_the_same_tokens_per_rank():
     tokens = [c.training.micro_batch_size * c.model.seq_length // c.parallel.context_parallel_size
               for c in (dp, cp)]
     assert tokens[0] == tokens[1]
+
+
+def _saved(cp: int, comm: str, argv: list[str]) -> list[int]:
+    return layer_saved_bytes(_args(argv), cp, comm)
+
+
+def test_each_exchange_keeps_what_the_accounting_says_and_no_more():
+    """Measured on 2 ranks (saved-tensor hooks over one layer's forward): p2p and a2a keep
+    exactly the accounting's bytes, half of CP = 1 plus a2a's token order (a2a's output is
+    kept once: the kernel's head-sharded copy is traded back in backward, not kept)."""
+    argv = ["--layers", "1", "--hidden", "64", "--heads", "4", "--seq", "64",
+            "--micro-batch", "2"]
+    cfg = model_config(_args(argv))
+    whole = layer_saved_bytes(_args(argv), 1, "p2p")[0]
+    for comm in ("p2p", "a2a"):
+        ranks = run_distributed(_saved, 2, 2, comm, argv)
+        predicted = sum(layer_activation_bytes(cfg, 2, 1, False, torch.bfloat16, "cpu", 2,
+                                               comm).values())
+        assert [r[0] for r in ranks] == [predicted] * 2, comm
+        assert predicted <= whole / 2 + 8 * 64, comm

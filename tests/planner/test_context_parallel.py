@@ -53,7 +53,9 @@ def test_a_layer_at_cp_2_by_hand():
     kv = 2 * 2 * 16 * 2 * 4 * 16  # one rank's K and V: e b (s/C) 2G d = 8192
     assert _layer(2, "all_gather") == {**local, "gathered keys and values": 2 * kv,
                                        "attention mask": 2 * 16 * 32}
-    assert _layer(2, "a2a") == {**local, "head-sharded q, k, v and output": 2 * kv}
+    # a2a: its head-sharded q, k, v replace the local ones, the output is kept once; plus
+    # the order of the s = 32 tokens (int64)
+    assert _layer(2, "a2a") == {**local, "the tokens' order": 8 * 32}
     bloom = dataclasses.replace(SMALL, position_embedding_type="alibi")
     assert _layer(2, "all_gather", bloom)["ALiBi bias"] == 2 * 2 * 4 * 16 * 32
     assert "attention mask" not in _layer(2, "all_gather", bloom)
