@@ -67,6 +67,14 @@ class _Ring:
         return additive_mask(take(self.info, rows), take(keys, cols), self.batch,
                              self.slopes, dtype), causal
 
+    def begin(self, step: int, kv: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """(next shard's buffer, its works, (rows, cols, mask, causal) of the block in hand):
+        the next exchange posted first (none after the last step: the buffer is ``kv``)."""
+        received, works = self.pass_on(kv) if step + 1 < self.cp.size else (kv, [])
+        source = self.source(step)
+        rows, cols = self.parts(source)
+        return received, works, (rows, cols, *self.mask(source, rows, cols, dtype))
+
     def pass_on(self, t: torch.Tensor) -> tuple[torch.Tensor, list[comm.Work]]:
         """Post sending ``t`` to the next rank and receiving the previous rank's into a new
         buffer; returns the buffer and the works (wait them all before reading it)."""
@@ -89,12 +97,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack((k, v))  # one message per step: [2, b, G, s, d]
         out = lse = None
         for step in range(ring.cp.size):
-            works = []
-            if step + 1 < ring.cp.size:
-                received, works = ring.pass_on(kv)
-            source = ring.source(step)
-            rows, cols = ring.parts(source)
-            bias, causal = ring.mask(source, rows, cols, q.dtype)
+            received, works, (rows, cols, bias, causal) = ring.begin(step, kv, q.dtype)
             part_out, part_lse = block.forward(q[:, :, rows], kv[0][:, :, cols],
                                                kv[1][:, :, cols], bias, causal)
             if out is None:  # the own shard, first: every query sees itself there
@@ -102,8 +105,7 @@ class _RingAttention(torch.autograd.Function):
             else:
                 block.merge_(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             _wait(works)
-            if works:
-                kv = received
+            kv = received
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
@@ -118,12 +120,7 @@ class _RingAttention(torch.autograd.Function):
         own = None  # the own shard's dK/dV: they never travel
         dkv = dkv_works = None  # the dK/dV travelling with the shard in hand
         for step in range(ring.cp.size):
-            works = []
-            if step + 1 < ring.cp.size:
-                received, works = ring.pass_on(kv)
-            source = ring.source(step)
-            rows, cols = ring.parts(source)
-            bias, causal = ring.mask(source, rows, cols, q.dtype)
+            received, works, (rows, cols, bias, causal) = ring.begin(step, kv, q.dtype)
             dq_part, dk_part, dv_part = block.backward(
                 grad[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                 out[:, :, rows], lse[:, :, rows], bias, causal)
@@ -141,8 +138,7 @@ class _RingAttention(torch.autograd.Function):
                 dkv[1][:, :, cols] += dv_part
                 dkv, dkv_works = ring.pass_on(dkv)  # on; after the last step, to its owner
             _wait(works)
-            if works:
-                kv = received
+            kv = received
         _wait(dkv_works)  # this rank's shard's sum from the other ranks, C - 1 hops later
         own += dkv
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
