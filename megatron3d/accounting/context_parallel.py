@@ -11,9 +11,10 @@ and G key/value heads of this TP rank, d the head size, e the activation dtype's
 
 - p2p (ring): keeps only the local q, k, v, output and log-sum-exp (its backward runs the
   ring again); in flight, two K/V chunks forward (the one in hand, the one arriving) and
-  backward those two and two chunks of their gradients. Sends (C-1) kv forward, 2 (C-1) kv
-  backward (the K/V again, and their gradients on their way home), overlapped with the
-  attention of the chunk in hand;
+  backward those two and three fp32 chunks of their gradients (the own shard's, one
+  travelling, one arriving). Sends (C-1) kv forward, and backward (C-1) kv and (C-1) fp32
+  dK/dV (the other shards' gradients on their way home), overlapped with the attention of
+  the chunk in hand;
 - all_gather: keeps the gathered keys and values [b, s, 2G, d] (C kv) for backward, and the
   mask SDPA is given ([s/C, s], in the activation dtype; ALiBi's bias [b, n, s/C, s]
   instead); backward holds the gathered K/V gradients (C kv) before their reduce-scatter.
@@ -22,8 +23,9 @@ and G key/value heads of this TP rank, d the head size, e the activation dtype's
 - a2a (Ulysses): keeps the head-sharded q, k, v [b, s, (n + 2G)/C, d] in place of the local
   ones (as many bytes), the output once (sequence-sharded, shared with the projection; without
   attention dropout), the tokens' order (int64 [s]) and ALiBi's bias [b, n/C, s, s] where
-  used; backward holds q, k, v, output and their gradients as much again. Moves (C-1)/C of the local q, k, v and output each way per pass,
-  not overlapped.
+  used; backward holds q, k, v, output and their gradients as much again. Moves (C-1)/C of
+  the local q, k, v and output each way per pass, and the output once more in backward (its
+  head-sharded form, not kept), not overlapped.
 
 A (full or selective) recompute of the attention core runs its forward exchange once more.
 The attention FLOPs of each rank count the query-key pairs the causal mask lets through.
@@ -105,7 +107,8 @@ def backward_buffers(split: Split) -> int:
     """Bytes the exchange holds in flight during one layer's attention backward."""
     if split.cp == 1:
         return 0
-    return {"p2p": 4 * split.kv, "all_gather": split.cp * split.kv,
+    grads = split.kv * FP32 // split.itemsize  # one shard's fp32 dK/dV
+    return {"p2p": 2 * split.kv + 3 * grads, "all_gather": split.cp * split.kv,
             "a2a": split.qkvo}[split.comm_type]
 
 
@@ -114,12 +117,15 @@ def exchange_bytes(split: Split) -> tuple[float, float]:
     c = split.cp
     if c == 1:
         return 0.0, 0.0
-    if split.comm_type == "p2p":
-        return float((c - 1) * split.kv), float(2 * (c - 1) * split.kv)
+    if split.comm_type == "p2p":  # backward: K/V again, and the other shards' fp32 dK/dV
+        return (float((c - 1) * split.kv),
+                float((c - 1) * split.kv * (1 + FP32 / split.itemsize)))
     if split.comm_type == "all_gather":
         return float((c - 1) * split.kv), float((c - 1) * split.kv)
     moved = (c - 1) / c * split.qkvo
-    return moved, moved
+    output = split.itemsize * split.micro_batch * split.local_tokens * split.heads \
+        * split.model.head_dim  # traded back to heads in backward
+    return moved, moved + (c - 1) / c * output
 
 
 def causal_pairs(seq_length: int, cp: int, balanced: bool = True) -> list[int]:

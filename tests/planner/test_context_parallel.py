@@ -74,10 +74,12 @@ def test_each_exchange_sends_by_hand():
     gqa = dataclasses.replace(SMALL, group_query_attention=True, num_query_groups=2)
     kv = 2048
     assert Split(gqa, 2, 1, 4).kv == kv
-    assert exchange_bytes(Split(gqa, 2, 1, 4, "p2p")) == (3 * kv, 6 * kv)
+    # p2p backward: K/V around the ring again, then the other shards' dK/dV in fp32
+    assert exchange_bytes(Split(gqa, 2, 1, 4, "p2p")) == (3 * kv, 3 * kv + 3 * 2 * kv)
     assert exchange_bytes(Split(gqa, 2, 1, 4, "all_gather")) == (3 * kv, 3 * kv)
     qkvo = 2 * 2 * 8 * (2 * 4 + 2 * 2) * 16  # q, k, v and output of the 8 local tokens
-    assert exchange_bytes(Split(gqa, 2, 1, 4, "a2a")) == (0.75 * qkvo, 0.75 * qkvo)
+    out = 2 * 2 * 8 * 4 * 16  # the output, traded back to heads in backward (not kept)
+    assert exchange_bytes(Split(gqa, 2, 1, 4, "a2a")) == (0.75 * qkvo, 0.75 * (qkvo + out))
 
 
 @pytest.mark.parametrize(("seq", "cp"), [(8, 2), (32, 2), (32, 4), (64, 8)])
