@@ -47,7 +47,7 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: 
     """The all-gather exchange (and the whole computation when C = 1)."""
     keys = gather_info(info, cp) if cp.size > 1 else info
     k, v = (_GatherSequence.apply(t, cp) if cp.size > 1 else t for t in (k, v))
-    mask = visible(info, keys, q.shape[0])
+    mask = visible(info, keys)
     bias = mask if slopes is None else alibi_bias(slopes, info, keys, q.shape[0], mask, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
                                           enable_gqa=k.shape[1] != q.shape[1])

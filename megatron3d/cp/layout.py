@@ -8,6 +8,8 @@ the same work on every rank (Megatron's load balancing).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron3d.errors import ConfigError
@@ -22,10 +24,13 @@ def chunk_size(seq_length: int, cp_size: int) -> int:
     return seq_length // (2 * cp_size)
 
 
+@functools.lru_cache(maxsize=64)
 def rank_index(seq_length: int, cp_size: int, cp_rank: int,
                device: torch.device | None = None) -> torch.Tensor:
     """[seq_length / C] int64: the sequence places rank ``cp_rank`` holds, in its order
-    (chunk r, then chunk 2C-1-r). All of them in order when C = 1."""
+    (chunk r, then chunk 2C-1-r). All of them in order when C = 1. Made once per shape and
+    device (every micro-batch, and every attention layer of a stage that reads no data,
+    asks for it): read it, never write to it."""
     if cp_size == 1:
         return torch.arange(seq_length, device=device)
     c = chunk_size(seq_length, cp_size)

@@ -11,7 +11,7 @@ from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
 
 
-def visible(q: TokenInfo, k: TokenInfo, batch: int) -> torch.Tensor:
+def visible(q: TokenInfo, k: TokenInfo) -> torch.Tensor:
     """Bool [b or 1, 1, s_q, s_k]: True where query i may attend to key j."""
     mask = (k.index.unsqueeze(0) <= q.index.unsqueeze(1)).view(1, 1, len(q.index), len(k.index))
     if q.doc_ids is not None:
@@ -33,7 +33,7 @@ def additive_mask(q: TokenInfo, k: TokenInfo, batch: int, slopes: torch.Tensor |
                   dtype: torch.dtype) -> torch.Tensor:
     """Float [b or 1, n or 1, s_q, s_k]: 0 (or ALiBi's bias) where visible, -inf elsewhere
     (what fused kernels take)."""
-    mask = visible(q, k, batch)
+    mask = visible(q, k)
     if slopes is not None:
         return alibi_bias(slopes, q, k, batch, mask, dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
