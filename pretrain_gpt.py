@@ -97,9 +97,7 @@ def _run(cfg: TrainConfig, env: devices.LaunchEnv, backend: str, started: float,
     board = FailureBoard(store, env.rank)
     recorder = FlightRecorder(cfg.resilience.flight_recorder_size, devices.stream_marker(dev))
     with traffic.observing(recorder):
-        state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
-                                    cfg.parallel.pipeline_model_parallel_size,
-                                    cp_size=cfg.parallel.context_parallel_size)
+        state = ParallelState.for_config(cfg.parallel)
         watchdog = Watchdog.for_run(cfg, state, recorder, board).start()
         try:
             return _train(cfg, state, dev, started, watchdog, notices)

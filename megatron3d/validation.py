@@ -47,6 +47,7 @@ from megatron3d.optim.batch_schedule import BatchSchedule
 from megatron3d.optim.lr_schedule import LRSchedule
 from megatron3d.pipeline.interleaved import interleaving_conflicts
 from megatron3d.resilience import local_flags, rerun_flags
+from megatron3d.zero.checks import check_zero
 
 T = TypeVar("T")
 
@@ -79,7 +80,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_checkpoint(cfg.checkpoint, cfg.lr_schedule.override_opt_param_scheduler,
                       cfg.lr_schedule.use_checkpoint_opt_param_scheduler, cfg.training.skip_train)
     local_flags.check_non_persistent(cfg.checkpoint)
-    _check_zero(cfg)
+    check_zero(cfg.parallel, world_size)
     _check_watchdog(cfg)
     rerun_flags.check_rerun_flags(cfg.resilience)
 
@@ -357,28 +358,6 @@ def _check_checkpoint(checkpoint: CheckpointConfig, override: bool, keep: bool,
         raise _error("the schedule follows either the flags or the checkpoint",
                      {"override_opt_param_scheduler": True,
                       "use_checkpoint_opt_param_scheduler": True}, "drop one of the two flags")
-
-
-def _check_zero(cfg: TrainConfig) -> None:
-    """Flags that belong to one ZeRO stage, and the ZeRO-3 pool sizes."""
-    parallel, stage = cfg.parallel, cfg.parallel.zero_stage
-    if parallel.overlap_param_gather and stage != 1:
-        raise _error("--overlap-param-gather is ZeRO-1's post-step parameter all-gather",
-                     {"zero_stage": stage}, "pass --zero-stage 1 or drop the flag "
-                     "(ZeRO-3 prefetches with --zero3-prefetch-depth)")
-    if parallel.grad_reduce_in_bf16 and parallel.accumulate_allreduce_grads_in_fp32:
-        raise _error("gradients cannot be reduced in both bf16 and fp32",
-                     {"grad_reduce_in_bf16": True, "accumulate_allreduce_grads_in_fp32": True},
-                     "drop one of the two flags")
-    if parallel.zero3_prefetch_depth < 0:
-        raise _error("must be >= 0", {"zero3_prefetch_depth": parallel.zero3_prefetch_depth},
-                     "give 0 (no prefetch) or more units to fetch ahead")
-    if parallel.zero3_max_live_units < 0 or parallel.live_units < parallel.zero3_prefetch_depth + 1:
-        raise _error("the ZeRO-3 pool must hold the unit computing plus every prefetched one",
-                     {"zero3_max_live_units": parallel.zero3_max_live_units,
-                      "zero3_prefetch_depth": parallel.zero3_prefetch_depth},
-                     f"give --zero3-max-live-units >= {parallel.zero3_prefetch_depth + 1} "
-                     "or 0 for that default")
 
 
 def _check_watchdog(cfg: TrainConfig) -> None:

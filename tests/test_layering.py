@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     # schedules, the data split and tokenizer, the pipeline schedules and the partitioner (on
     # the model's layer list).
     "validation": {"config", "cp", "errors", "data", "mpu", "optim", "pipeline", "model",
-                   "resilience"},
+                   "resilience", "zero"},
     # the command line: Megatron's flags (compat), argparse and YAML (arguments), the tools'
     # shared front end (common)
     "cli": {"config", "errors"},

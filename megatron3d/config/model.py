@@ -217,6 +217,33 @@ class ParallelConfig:
         "true", "ZeRO-3: free gathered units after each use (true) or keep a stage's units "
         "gathered for the whole step (false: one gather per unit per step, more memory).")
 
+    zero3_shard_group: Literal["world", "node"] = option(
+        "world", "ZeRO-3: shard parameters, gradients and optimizer states over every "
+        "data-parallel rank (world), or only over the data-parallel ranks of one node and "
+        "replicate across nodes (node: hybrid sharding; gradients reduce-scattered in the "
+        "node, the shards all-reduced across nodes once per step).")
+    zero3_secondary_shard: Literal["none", "node"] = option(
+        "none", "ZeRO-3: keep a second, node-local shard of the parameters (node: ZeRO++ "
+        "hpZ): the step's first gather of a unit reads the world shards, every re-gather "
+        "(backward, later micro-batches) reads the node's copy, so only the first crosses "
+        "nodes; gradients are reduced in two levels (in the node, then across nodes).")
+    zero3_quantize_weights: bool = option(
+        False, "ZeRO-3: send the parameter all-gathers that read the world shards as int8 "
+        "with a scale per block (error per element at most the block's largest magnitude "
+        "/ 254).")
+    zero3_quantize_grads: bool = option(
+        False, "ZeRO-3: send the gradient reductions that cross nodes as int8 with a scale "
+        "per block, summed in fp32 on the receiver.")
+    gpus_per_node: int = option(
+        0, "Ranks per node, for the node-aware layouts (ZeRO-3's node groups; tensor "
+        "parallelism kept inside a node). 0: LOCAL_WORLD_SIZE as torchrun sets it, or the "
+        "whole world when not launched.", range=NON_NEGATIVE)
+
+    @property
+    def node_aware_zero3(self) -> bool:
+        """Whether ZeRO-3 needs the data-parallel ranks split by node."""
+        return self.zero3_shard_group == "node" or self.zero3_secondary_shard == "node"
+
     @property
     def reshard_after_forward(self) -> bool:
         return self.zero3_reshard_after_forward == "true"

@@ -8,11 +8,24 @@ without torch.distributed (collectives on size-1 axes are no-ops in ``comm``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch.distributed as dist
 
 from megatron3d.mpu.topology import RankGroups, Topology
+
+
+class LayoutFlags(Protocol):
+    """What ``ParallelState.for_config`` reads of ``config.ParallelConfig`` (``mpu`` sits
+    below ``config``'s importers on the floor plan)."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    gpus_per_node: int
+    node_aware_zero3: bool
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,8 @@ class ParallelState:
     """All groups of this rank: tp, pp, dp, model-parallel (tp x pp), embedding, and the
     context-parallel ones: cp (ranks splitting one sequence) and dp_cp (dp x cp: the ranks
     holding replicas of the same weights, over which ZeRO shards and gradients are averaged;
-    the same members as dp when cp = 1)."""
+    the same members as dp when cp = 1), and dp_cp cut by node (dp_intra, dp_inter) for the
+    node-aware ZeRO-3; ranks_per_node: ranks on each node, as launched."""
 
     tp: AxisGroup
     pp: AxisGroup
@@ -72,24 +86,33 @@ class ParallelState:
     topology: Topology
     cp: AxisGroup
     dp_cp: AxisGroup
+    dp_intra: AxisGroup
+    dp_inter: AxisGroup
+    ranks_per_node: int
 
     @classmethod
     def single(cls) -> ParallelState:
         """One process, no torch.distributed: every axis has size 1."""
         one = AxisGroup.single()
         return cls(tp=one, pp=one, dp=one, mp=one, embedding=one, world_rank=0, world_size=1,
-                   topology=Topology(world_size=1, tp=1, pp=1), cp=one, dp_cp=one)
+                   topology=Topology(world_size=1, tp=1, pp=1), cp=one, dp_cp=one,
+                   dp_intra=one, dp_inter=one, ranks_per_node=1)
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int, *, cp_size: int = 1,
-              directed_links: bool | None = None) -> ParallelState:
+              directed_links: bool | None = None, ranks_per_node: int | None = None,
+              node_groups: bool = False) -> ParallelState:
         """Create every group of the layout; a collective call: all ranks must make it.
 
         ``dist.new_group`` must be called by every rank for every group in the same order,
         including groups the rank is not in, so the loops below never depend on the rank.
         ``directed_links``: give the pipeline axis its ``reverse`` group (default: on every
         backend but gloo, whose batches already give each transfer its own work; tests set it
-        to run NCCL's posting on gloo).
+        to run NCCL's posting on gloo). ``ranks_per_node``: as torchrun numbers ranks
+        (default: the whole world is one node); with ``node_groups`` the weight replicas
+        (``dp_cp``) are also cut into ``dp_intra`` (the members on this rank's node) and
+        ``dp_inter`` (this rank's counterparts on the other nodes), for the node-aware
+        ZeRO-3; without, ``dp_intra`` is ``dp_cp`` and ``dp_inter`` a size-1 axis.
         """
         if not dist.is_initialized():
             raise RuntimeError("ParallelState.build needs torch.distributed initialised; "
@@ -108,7 +131,27 @@ class ParallelState:
         else:
             axes["cp"] = AxisGroup.single(world_rank)
             axes["dp_cp"] = axes["dp"]
-        return cls(**axes, world_rank=world_rank, world_size=world_size, topology=topo)
+        per_node = ranks_per_node or world_size
+        if node_groups:
+            intra, inter = topo.node_split(topo.dp_cp_groups(), per_node)
+            axes["dp_intra"] = _create_groups("dp_intra", intra, world_rank)
+            axes["dp_inter"] = _create_groups("dp_inter", inter, world_rank)
+        else:
+            axes["dp_intra"], axes["dp_inter"] = axes["dp_cp"], AxisGroup.single(world_rank)
+        return cls(**axes, world_rank=world_rank, world_size=world_size, topology=topo,
+                   ranks_per_node=per_node)
+
+    @classmethod
+    def for_config(cls, parallel: LayoutFlags,
+                   directed_links: bool | None = None) -> ParallelState:
+        """``build`` for a run's ``--tensor-model-parallel-size`` & co.: ranks per node from
+        ``--gpus-per-node`` or the launcher, node groups when ZeRO-3 is node-aware."""
+        return cls.build(parallel.tensor_model_parallel_size,
+                         parallel.pipeline_model_parallel_size,
+                         cp_size=parallel.context_parallel_size, directed_links=directed_links,
+                         ranks_per_node=ranks_per_node(parallel.gpus_per_node,
+                                                       dist.get_world_size()),
+                         node_groups=parallel.node_aware_zero3)
 
     @property
     def world(self) -> AxisGroup:
@@ -129,6 +172,15 @@ class ParallelState:
     @property
     def in_embedding_group(self) -> bool:
         return self.embedding.is_member
+
+
+def ranks_per_node(given: int, world_size: int) -> int:
+    """Ranks on each node: ``--gpus-per-node`` when given (> 0), else LOCAL_WORLD_SIZE (as
+    torchrun sets it), else the whole world (one node)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if given > 0:
+        return given
+    return int(local) if local.isdigit() and 0 < int(local) <= world_size else world_size
 
 
 def _create_groups(name: str, groups: RankGroups, world_rank: int,

@@ -115,6 +115,34 @@ class Topology:
         """First and last stage of each pipeline: they all-reduce the tied embedding's grad."""
         return [(g[0], g[-1]) if self.pp > 1 else (g[0],) for g in self.pp_groups()]
 
+    def node_split(self, groups: RankGroups,
+                   ranks_per_node: int) -> tuple[RankGroups, RankGroups]:
+        """Each group's members cut by node (rank // ``ranks_per_node``, as torchrun numbers
+        them): the intra-node subgroups (members sharing a node) and the inter-node ones
+        (the i-th member of each node's part, one per node), both in group order. Every
+        node must hold the same number of each group's members."""
+        if ranks_per_node < 1 or self.world_size % ranks_per_node:
+            raise ConfigError(f"{ranks_per_node} ranks per node do not split the world of "
+                              f"{self.world_size}; give --gpus-per-node dividing the world "
+                              "size (or launch the same ranks on every node)")
+        intra: RankGroups = []
+        inter: RankGroups = []
+        for group in groups:
+            parts: dict[int, list[int]] = {}
+            for rank in group:
+                parts.setdefault(rank // ranks_per_node, []).append(rank)
+            sizes = {len(part) for part in parts.values()}
+            if len(sizes) != 1:
+                raise ConfigError(
+                    f"ranks {list(group)} are spread unevenly over nodes of {ranks_per_node} "
+                    f"ranks ({sorted(len(p) for p in parts.values())} per node); the "
+                    "node-aware ZeRO-3 needs each node to hold as many of them: change "
+                    "--gpus-per-node or the layout")
+            ordered = [parts[node] for node in sorted(parts)]
+            intra += [tuple(part) for part in ordered]
+            inter += [tuple(part[i] for part in ordered) for i in range(sizes.pop())]
+        return intra, inter
+
     def table(self) -> str:
         """Human-readable rank grid and group lists, printed once at start-up."""
         if self.cp == 1:

@@ -54,6 +54,7 @@ from megatron3d.training.reporting import Reporter
 from megatron3d.training.rerun import BadStepRerun
 from megatron3d.training.straggler import StragglerWatch, stage_peers
 from megatron3d.training.tensorboard import TensorBoardWriter
+from megatron3d.zero.checks import node_warnings
 from megatron3d.zero.factory import DataParallel, build_data_parallel
 
 logger = get_logger(__name__)
@@ -115,6 +116,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
                        draw_weights=directory is None, defer_init=True, cp=state.cp,
                        cp_comm_type=cfg.parallel.cp_comm_type)
     logger.info(format_padded_vocab(cfg.model.vocab_size, ctx.padded_vocab_size))
+    for warning in node_warnings(cfg.parallel, state.ranks_per_node):
+        logger.warning(warning)
     size = model_size(ctx)
     engine = _wrapped(given.engine, build_engine(cfg, state, ctx, size))
     params = list(engine.stage.parameters())

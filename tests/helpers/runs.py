@@ -39,10 +39,7 @@ def build(argv: list[str], overrides: Overrides | None = None, *,
     parsed, _, given = parse_given(argv)
     cfg, _ = with_checkpoint_args(parsed, given)
     validate(cfg, torch.distributed.get_world_size())
-    state = ParallelState.build(cfg.parallel.tensor_model_parallel_size,
-                                cfg.parallel.pipeline_model_parallel_size,
-                                cp_size=cfg.parallel.context_parallel_size,
-                                directed_links=directed_links)
+    state = ParallelState.for_config(cfg.parallel, directed_links=directed_links)
     given = overrides or Overrides()
     if hooks:
         given = dataclasses.replace(given, hooks=dataclasses.replace(given.hooks, **hooks))

@@ -142,3 +142,24 @@ def test_without_context_parallelism_the_groups_are_unchanged() -> None:
 def test_a_world_that_context_parallelism_does_not_divide_is_refused() -> None:
     with pytest.raises(ConfigError, match="--context-parallel-size"):
         Topology(world_size=6, tp=1, pp=1, cp=4)
+
+
+def test_node_split_cuts_each_group_by_node() -> None:
+    """tp 2 x dp 4 on nodes of 4 ranks: the dp group (0, 2, 4, 6) is (0, 2) on node 0 and
+    (4, 6) on node 1; its counterparts across nodes are (0, 4) and (2, 6)."""
+    topo = Topology(world_size=8, tp=2, pp=1)
+    intra, inter = topo.node_split(topo.dp_cp_groups(), 4)
+    assert intra == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert inter == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    one_node_intra, one_node_inter = topo.node_split(topo.dp_cp_groups(), 8)
+    assert one_node_intra == topo.dp_cp_groups()
+    assert one_node_inter == [(0,), (2,), (4,), (6,), (1,), (3,), (5,), (7,)]
+
+
+def test_node_split_refuses_uneven_nodes() -> None:
+    topo = Topology(world_size=6, tp=1, pp=1)
+    with pytest.raises(ConfigError, match="do not split the world"):
+        topo.node_split(topo.dp_cp_groups(), 4)
+    topo = Topology(world_size=12, tp=1, pp=2)  # dp group 0..5: 4 on node 0, 2 on node 1
+    with pytest.raises(ConfigError, match=r"spread unevenly .*\[2, 4\] per node"):
+        topo.node_split(topo.dp_cp_groups(), 4)
