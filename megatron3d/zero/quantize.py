@@ -99,7 +99,7 @@ def _blocks(x: torch.Tensor, scales: torch.Tensor, block: int
             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``x`` [rows, n] as whole blocks [rows, n // block, block] and, when ``block`` does
     not divide n, the short last one [rows, 1, rest]; each with its scales [.., .., 1]."""
-    rows, n = x.shape
+    n = x.shape[1]
     whole = n // block * block
     parts = []
     if whole:
