@@ -54,6 +54,8 @@ def test_error_within_stated_bound(dtype: torch.dtype) -> None:
     assert torch.equal(deq[2 * BLOCK:3 * BLOCK], torch.zeros(BLOCK))  # zero block: zeros
     assert torch.equal(deq[6 * BLOCK:7 * BLOCK], x[6 * BLOCK:7 * BLOCK].float())  # on grid
     assert (q.abs() <= 127).all()
+    zero_scale = (scales == 0).repeat_interleave(BLOCK)[:x.numel()]
+    assert zero_scale.sum() == 2 * BLOCK and not q[zero_scale].any()  # zeros on the wire
 
 
 def test_dequantize_into_bf16_rounds_once() -> None:
@@ -84,7 +86,7 @@ def test_wire_capacity() -> None:
 def _chunks(rank: int, size: int, n: int) -> torch.Tensor:
     """What rank ``rank`` contributes: ``size`` chunks of ``n`` adversarial values."""
     gen = torch.Generator().manual_seed(100 + rank)
-    parts = [_adversarial(gen)[(rank + i) % 5 * BLOCK:][:n] * (1 + rank) for i in range(size)]
+    parts = [_adversarial(gen)[i % 5 * BLOCK:][:n] * (1 + rank) for i in range(size)]
     return torch.cat(parts)
 
 
