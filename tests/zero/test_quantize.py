@@ -116,6 +116,13 @@ def _collectives(n: int) -> dict:
         comm.start_all_gather_into(torch.empty(size * n), mine, axis).wait()
         comm.start_reduce_scatter(torch.empty(n), t.clone(), axis).wait()
         found["fp32 bytes"] = dict(counter.bytes)
+    comm._gloo_on_device = lambda _t, _axis: True  # as ranks sharing a GPU over gloo do
+    out = torch.empty(size * n)
+    qz.start_all_gather(out, mine, axis, wire).wait()
+    found["gather on device paths"] = out
+    out = torch.empty(n)
+    qz.start_reduce_scatter(out, t.clone(), axis, wire).wait()
+    found["reduce on device paths"] = out
     return found
 
 
@@ -143,6 +150,8 @@ def test_collectives_match_the_helpers_chunk_by_chunk(size: int) -> None:
             expect = expect + (parts[r] if r == me else deq(parts[r]))
         assert torch.equal(found["reduce"], expect)
         assert torch.equal(found["reduce in place"], expect)
+        assert torch.equal(found["reduce on device paths"], expect)
+        assert torch.equal(found["gather on device paths"], gathered)
         exact = sum(p.double() for p in parts)
         bound = sum(_bound(p) for r, p in enumerate(parts) if r != me)
         rounding = size * 2.0 ** -24 * sum(p.double().abs() for p in parts)
