@@ -24,9 +24,13 @@ shards and on the gradient hop that crosses nodes.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron3d.config import ParallelConfig
+from megatron3d.accounting.memory import Buffers
+from megatron3d.config import ParallelConfig, TrainConfig
+from megatron3d.mpu.topology import Topology
 
 FP32 = 4
 QUANT_BLOCK = 256
@@ -44,6 +48,33 @@ class Nodes:
     @property
     def replicas(self) -> int:
         return self.count * self.per_node
+
+
+def replica_nodes(parallel: ParallelConfig, replicas: int, ranks_per_node: int) -> Nodes:
+    """Where the ``replicas`` (DP x CP) of every weight shard sit on nodes of
+    ``ranks_per_node`` ranks, as ``ParallelState`` cuts them (``ConfigError`` when a node
+    holds more of them than another)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    topology = Topology(world_size=tp * pp * replicas, tp=tp, pp=pp,
+                        cp=parallel.context_parallel_size)
+    intra, inter = topology.node_split(topology.dp_cp_groups(), ranks_per_node)
+    return Nodes(count=len(inter[0]), per_node=len(intra[0]))
+
+
+def node_buffers(cfg: TrainConfig, replicas: int, nodes: Nodes,
+                 flat: Callable[[TrainConfig, int], Buffers]) -> Buffers:
+    """A rank's ZeRO buffers under the node-aware ZeRO-3, from ``flat`` (its buffers under
+    flat ZeRO-3 at a number of replicas): hybrid shards over the node's replicas only;
+    the secondary shard adds 1/k of the stage's (padded) parameters in the model dtype."""
+    parallel = cfg.parallel
+    plain = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        parallel, zero3_shard_group="world", zero3_secondary_shard="none"))
+    if parallel.zero3_shard_group == "node":
+        return flat(plain, nodes.per_node)
+    buffers = flat(plain, replicas)
+    if parallel.zero3_secondary_shard == "node":
+        return dataclasses.replace(buffers, secondary=buffers.flat // nodes.per_node)
+    return buffers
 
 
 @dataclass(frozen=True)
