@@ -77,6 +77,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--repeat {args.repeat}: give at least 1")
     if args.emulated_nodes < 0 or args.emulated_nodes == 1:
         p.error(f"--emulated-nodes {args.emulated_nodes}: give 2 or more nodes (0: off)")
+    if args.emulated_nodes and args.write_readme:
+        p.error("--write-readme writes the loopback report's section; --emulated-nodes prints "
+                "its report only (benchmarks/README.md keeps it by hand)")
     if args.emulated_nodes and args.limited_bandwidth:
         p.error("--emulated-nodes limits the links between nodes (--link-rate); "
                 "--limited-bandwidth limits a single loopback: give one of the two")
@@ -101,7 +104,7 @@ def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> in
     header = describe(cfg)
     sys.stdout.write(f"{header}\n")
     if args.emulated_nodes:
-        return _on_nodes(args, cfg, rows, run_dir, argv, header)
+        return _on_nodes(args, cfg, rows, run_dir)
     unlimited = _run_rows(args, rows, run_dir, [], "")
     if unlimited is None:
         return 1
@@ -129,8 +132,7 @@ def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> in
     return 1 if bad else 0
 
 
-def _on_nodes(args: argparse.Namespace, cfg: PeerConfig, rows: list[Row], run_dir: Path,
-              argv: Sequence[str], header: str) -> int:
+def _on_nodes(args: argparse.Namespace, cfg: PeerConfig, rows: list[Row], run_dir: Path) -> int:
     """The emulated-nodes mode: the reference alone, then every row that fits the nodes
     through ``scripts/local_nodes.sh``."""
     nodes = EmulatedNodes(args.emulated_nodes, args.link_rate)
@@ -144,10 +146,7 @@ def _on_nodes(args: argparse.Namespace, cfg: PeerConfig, rows: list[Row], run_di
     results = _run_rows(args, fitting, run_dir, [], "nodes-", nodes)
     if results is None:
         return 1
-    report = _mode_report((title, results), cfg)
-    sys.stdout.write(f"\n{report}\n")
-    if args.write_readme:
-        _write_readme(args, argv, cfg, header, report, [(title, results)])
+    sys.stdout.write(f"\n{_mode_report((title, results), cfg)}\n")
     bad = disagreeing(results, cfg.warmup_steps)
     if bad:
         sys.stdout.write(f"\nloss differs by {LOSS_TOLERANCE:g} or more: {', '.join(bad)}\n")
