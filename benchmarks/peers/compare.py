@@ -5,8 +5,11 @@ step, loss agreement) and whether each speed target was met.
 
 Every row is its own torchrun on CPU/gloo; rows of frameworks that are not installed say so.
 With ``--limited-bandwidth RATE`` every row runs a second time with its ranks talking over a
-rate-limited loopback (``bandwidth.py``). Exits 1 when a row that ran disagrees with the
-megatron3d single-process losses.
+rate-limited loopback (``bandwidth.py``). With ``--emulated-nodes N [--link-rate RATE]`` only
+the rows of N x K ranks run, each as N nodes of K ranks with rate-limited links between the
+nodes (``nodes.py``, ``scripts/local_nodes.sh``): ZeRO-3 across nodes against FSDP2 hybrid
+sharding, with the bytes megatron3d's ranks receive from other nodes per step. Exits 1 when
+a row that ran disagrees with the megatron3d single-process losses.
 """
 
 from __future__ import annotations
@@ -30,9 +33,16 @@ from benchmarks.peers.config import (
     run_order,
 )
 from benchmarks.peers.environment import describe
+from benchmarks.peers.nodes import EmulatedNodes
+from benchmarks.peers.nodes import unavailable as emulation_unavailable
 from benchmarks.peers.runner import REPO, RowResult, run_row
-from benchmarks.peers.table import LOSS_TOLERANCE, disagreeing, format_tables
-from benchmarks.peers.targets import check_targets
+from benchmarks.peers.table import (
+    LOSS_TOLERANCE,
+    cross_node_lines,
+    disagreeing,
+    format_tables,
+)
+from benchmarks.peers.targets import check_targets, node_targets
 
 README = REPO / "benchmarks" / "README.md"
 CHART = REPO / "benchmarks" / "peers_step_time.png"
@@ -52,6 +62,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limited-bandwidth", metavar="RATE", default=None,
                    help="run every row a second time in a network namespace whose loopback "
                    "tc limits to RATE (e.g. 2gbit); needs root, else skipped with the reason")
+    p.add_argument("--emulated-nodes", type=int, default=0, metavar="N",
+                   help="run only the rows of N x K ranks (K >= 2), each as N nodes of K "
+                   "ranks through scripts/local_nodes.sh, links between nodes limited to "
+                   "--link-rate (the reference runs as a single process); needs root")
+    p.add_argument("--link-rate", default="2gbit", metavar="RATE",
+                   help="with --emulated-nodes: each node's link rate, tc's units")
     p.add_argument("--profile", action="store_true", help="every rank writes the profiler's "
                    "table of one warm-up step (profile_rank{N}.txt in its row's directory)")
     p.add_argument("--write-readme", action="store_true", help="write the report into "
@@ -59,6 +75,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: give at least 1")
+    if args.emulated_nodes < 0 or args.emulated_nodes == 1:
+        p.error(f"--emulated-nodes {args.emulated_nodes}: give 2 or more nodes (0: off)")
+    if args.emulated_nodes and args.write_readme:
+        p.error("--write-readme writes the loopback report's section; --emulated-nodes prints "
+                "its report only (benchmarks/README.md keeps it by hand)")
+    if args.emulated_nodes and args.limited_bandwidth:
+        p.error("--emulated-nodes limits the links between nodes (--link-rate); "
+                "--limited-bandwidth limits a single loopback: give one of the two")
     return args
 
 
@@ -79,6 +103,8 @@ def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> in
                                     if r != REFERENCE and any(w in r.label for w in wanted)])
     header = describe(cfg)
     sys.stdout.write(f"{header}\n")
+    if args.emulated_nodes:
+        return _on_nodes(args, cfg, rows, run_dir)
     unlimited = _run_rows(args, rows, run_dir, [], "")
     if unlimited is None:
         return 1
@@ -106,11 +132,36 @@ def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> in
     return 1 if bad else 0
 
 
+def _on_nodes(args: argparse.Namespace, cfg: PeerConfig, rows: list[Row], run_dir: Path) -> int:
+    """The emulated-nodes mode: the reference alone, then every row that fits the nodes
+    through ``scripts/local_nodes.sh``."""
+    nodes = EmulatedNodes(args.emulated_nodes, args.link_rate)
+    fitting = [r for r in rows if r == REFERENCE or nodes.fits(r)]
+    title = nodes.title()
+    skipped = emulation_unavailable() or ("" if len(fitting) > 1 else
+                                          f"no row of {nodes.nodes} x K ranks, K >= 2")
+    if skipped:
+        sys.stdout.write(f"\n### {title}: skipped, {skipped}\n")
+        return 0
+    results = _run_rows(args, fitting, run_dir, [], "nodes-", nodes)
+    if results is None:
+        return 1
+    sys.stdout.write(f"\n{_mode_report((title, results), cfg)}\n")
+    bad = disagreeing(results, cfg.warmup_steps)
+    if bad:
+        sys.stdout.write(f"\nloss differs by {LOSS_TOLERANCE:g} or more: {', '.join(bad)}\n")
+    return 1 if bad else 0
+
+
 def _mode_report(mode: tuple[str, list[RowResult]], cfg: PeerConfig) -> str:
     title, results = mode
-    targets = "\n".join(check_targets(results, cfg.warmup_steps))
+    targets = "\n".join(check_targets(results, cfg.warmup_steps)
+                        + node_targets(results, cfg.warmup_steps))
+    across = "\n".join(cross_node_lines(results))
     return (f"### {title}\n\n{format_tables(results, cfg.warmup_steps)}\n\n"
-            f"Targets ({title}):\n\n{targets}")
+            + (f"Bytes from other nodes per step (megatron3d's counter, busiest rank):\n\n"
+               f"{across}\n\n" if across else "")
+            + f"Targets ({title}):\n\n{targets}")
 
 
 def _write_readme(args: argparse.Namespace, argv: Sequence[str], cfg: PeerConfig, header: str,
@@ -128,7 +179,7 @@ def _write_readme(args: argparse.Namespace, argv: Sequence[str], cfg: PeerConfig
 
 
 def _run_rows(args: argparse.Namespace, rows: list[Row], run_dir: Path, prefix: list[str],
-              tag: str) -> list[RowResult] | None:
+              tag: str, nodes: EmulatedNodes | None = None) -> list[RowResult] | None:
     """Every row, ``--repeat`` rounds of them, each round's reference first (it writes the
     weights the others start from); None if the reference failed."""
     results: list[RowResult | None] = [None] * len(rows)
@@ -137,7 +188,8 @@ def _run_rows(args: argparse.Namespace, rows: list[Row], run_dir: Path, prefix: 
             started = time.monotonic()
             row_dir = run_dir / f"{tag}row{index:02d}-run{round_}"
             result = run_row(row, run_dir, row_dir, args.row_timeout, prefix,
-                             args.profile and round_ == 0)
+                             args.profile and round_ == 0,
+                             nodes=nodes if row != REFERENCE else None)
             status = "ok" if result.ran else result.reason
             sys.stderr.write(f"[{time.monotonic() - started:5.1f} s] {tag}run {round_} "
                              f"{row.label} {row.layout}: {status}\n")

@@ -142,8 +142,37 @@ def deepspeed_rows() -> list[Row]:
             ds("ZeRO-3", "ZeRO-3", dp=2, zero="3")]
 
 
+NODES = 2
+"""The node rows' nodes: their 4 ranks as 2 nodes x 2 (``--gpus-per-node``, FSDP2's mesh)."""
+FLAG_OPTIONS = {"zero3-shard-group": True, "zero3-secondary-shard": True, "gpus-per-node": True,
+                "zero3-quantize-weights": False, "zero3-quantize-grads": False}
+"""Row options that are pretrain_gpt.py flags of the same name: whether each takes the
+option's value (else it is a switch)."""
+
+
+def node_rows() -> list[Row]:
+    """ZeRO-3 on 2 nodes x 2 ranks: flat, hybrid and with a secondary shard (int8 or not),
+    every one timed against flat; FSDP2 flat and hybrid (HSDP) against flat too."""
+    per_node = ("gpus-per-node", str(4 // NODES))
+
+    def m3d(variant: str, *options: tuple[str, str]) -> Row:
+        return Row(framework="megatron3d", variant=variant, dp=4,
+                   options=(("zero", "3"), per_node, *options), baseline="ZeRO-3")
+
+    hybrid, secondary = ("zero3-shard-group", "node"), ("zero3-secondary-shard", "node")
+    weights, grads = ("zero3-quantize-weights", "1"), ("zero3-quantize-grads", "1")
+    return [m3d("ZeRO-3"), m3d("ZeRO-3 hybrid", hybrid),
+            m3d("ZeRO-3 hybrid int8 grads", hybrid, grads),
+            m3d("ZeRO-3 secondary shard", secondary),
+            m3d("ZeRO-3 secondary shard int8", secondary, weights, grads),
+            Row(framework="pytorch", variant="FSDP2", dp=4, baseline="ZeRO-3"),
+            Row(framework="pytorch", variant="FSDP2 hybrid", dp=4,
+                options=(("nodes", str(NODES)),), baseline="ZeRO-3")]
+
+
 def all_rows() -> list[Row]:
-    return megatron3d_rows() + torch_rows() + mcore_rows() + deepspeed_rows()
+    return (megatron3d_rows() + torch_rows() + mcore_rows() + deepspeed_rows()
+            + node_rows())
 
 
 def run_order(rows: list[Row]) -> list[Row]:

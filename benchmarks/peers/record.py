@@ -1,5 +1,5 @@
-"""What each rank of a row reports: per-step losses and times, its peak RSS and the
-collectives of one step, as JSON.
+"""What each rank of a row reports: per-step losses and times, its peak RSS, the
+collectives of one step and (megatron3d) the bytes of a step from other nodes, as JSON.
 
 The parent reads one file per rank (``rank{N}.json`` in the row's directory); only ranks
 that hold the global loss report losses."""
@@ -68,7 +68,10 @@ def peak_rss_bytes() -> int:
 
 
 def write_rank(out_dir: Path, rank: int, losses: list[float] | None,
-               clock: StepClock) -> None:
+               clock: StepClock, cross_node_bytes: int | None = None) -> None:
+    """``cross_node_bytes``: what the rank received from other nodes in a step, where the
+    framework counts it (megatron3d's rows)."""
     payload = {"rank": rank, "losses": losses, "times": clock.times,
-               "peak_rss": peak_rss_bytes(), "comm": dataclasses.asdict(clock.counter.tally)}
+               "peak_rss": peak_rss_bytes(), "comm": dataclasses.asdict(clock.counter.tally),
+               "cross_node_bytes": cross_node_bytes}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(payload))

@@ -1,7 +1,9 @@
 """Worker: one rank of a megatron3d row, driven as ``pretrain_gpt.py`` would be.
 
 Weights come from the seed (every layout draws the same logical weights) and batches from
-``--mock-data`` (the same samples ``batches.py`` writes). The reference row also writes its
+``--mock-data`` (the same samples ``batches.py`` writes). Each rank counts the bytes it
+receives from other nodes (``CrossNodeCounter``; nodes as ``--gpus-per-node`` or the launch
+says) and reports its last step's. The reference row also writes its
 initial logical weights: the file every peer loads.
 """
 
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.peers.config import REFERENCE, PeerConfig, Row
+from benchmarks.peers.config import FLAG_OPTIONS, REFERENCE, PeerConfig, Row
 from benchmarks.peers.record import write_rank
 from benchmarks.peers.worker import parse_worker_args
 from megatron3d import device as devices
@@ -17,6 +19,7 @@ from megatron3d.cli.arguments import parse_args
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.sharding import gather_logical
 from megatron3d.mpu.state import ParallelState
+from megatron3d.mpu.traffic import CrossNodeCounter, observing
 from megatron3d.training.build import Overrides, build_trainer
 from megatron3d.training.loop import Hooks, Trainer
 from megatron3d.training.step import StepResult
@@ -42,6 +45,9 @@ def megatron3d_argv(cfg: PeerConfig, row: Row) -> list[str]:
             "--zero-stage", row.option("zero", "0")]
     if row.option("virtual"):
         argv += ["--virtual-pipeline-model-parallel-size", row.option("virtual")]
+    for name, value in row.options:
+        if name in FLAG_OPTIONS:
+            argv += [f"--{name}", *([value] if FLAG_OPTIONS[name] else [])]
     return [str(a) for a in argv]
 
 
@@ -62,12 +68,16 @@ def main() -> None:
     devices.init_process_group(env)
     cfg = parse_args(megatron3d_argv(inputs.cfg, inputs.row))
     validate(cfg, env.world_size)
-    state = ParallelState.build(inputs.row.tp, inputs.row.pp)
+    state = ParallelState.for_config(cfg.parallel)
     losses: list[torch.Tensor] = []
     clock = inputs.clock(env.rank)
+    across = CrossNodeCounter(state.ranks_per_node, env.rank)
+    per_step: list[int] = []  # bytes this rank received from other nodes, each step
 
     def on_step(_: int, result: StepResult) -> None:
         losses.append(result.loss)
+        per_step.append(across.total_bytes())
+        across.reset()
         clock.tick()
 
     trainer = build_trainer(cfg, state, torch.device("cpu"),
@@ -76,10 +86,11 @@ def main() -> None:
         torch.save(initial_weights(trainer, state), inputs.weights)
     torch.distributed.barrier()
     clock.start()
-    trainer.run()
+    with observing(across):
+        trainer.run()
     holds_loss = state.is_last_stage and state.tp.rank == 0 and state.dp.rank == 0
     write_rank(inputs.out, env.rank, [float(x) for x in losses] if holds_loss else None,
-               clock)
+               clock, per_step[-1] if per_step else None)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

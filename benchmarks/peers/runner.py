@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.peers.config import Row
+from benchmarks.peers.nodes import EmulatedNodes
 from benchmarks.peers.worker import worker_argv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,6 +40,7 @@ class RowResult:
     peak_rss: list[int] = field(default_factory=list)  # per rank, the largest of any run
     comm: list[dict] = field(default_factory=list)  # per rank: calls and bytes of one step
     reason: str = ""  # why there are no numbers
+    cross_node: list[int | None] = field(default_factory=list)  # per rank, bytes of a step
 
     @property
     def ran(self) -> bool:
@@ -52,7 +54,7 @@ class RowResult:
             return other
         return RowResult(self.row, self.losses + other.losses, self.times + other.times,
                          [max(a, b) for a, b in zip(self.peak_rss, other.peak_rss, strict=True)],
-                         self.comm)
+                         self.comm, cross_node=self.cross_node)
 
 
 def missing_package(row: Row) -> str:
@@ -65,20 +67,24 @@ def missing_package(row: Row) -> str:
 
 
 def run_row(row: Row, run_dir: Path, row_dir: Path, timeout_s: float,
-            prefix: Sequence[str] = (), profile: bool = False) -> RowResult:
+            prefix: Sequence[str] = (), profile: bool = False,
+            nodes: EmulatedNodes | None = None) -> RowResult:
     """Run ``row``'s torchrun (behind ``prefix``, e.g. the limited-bandwidth namespace's
-    ``ip netns exec``) and collect its ranks' reports; ``profile`` has each rank write the
-    profiler's table of one warm-up step beside its report."""
+    ``ip netns exec``), or its launch on emulated ``nodes``, and collect its ranks' reports;
+    ``profile`` has each rank write the profiler's table of one warm-up step beside its
+    report."""
     reason = missing_package(row)
     if reason:
         return RowResult(row, reason=reason)
     row_dir.mkdir(parents=True, exist_ok=True)
     (row_dir / "row.json").write_text(json.dumps(row.to_dict()))
-    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={row.world_size}", "-m", WORKERS[row.framework],
-           *worker_argv(run_dir, row_dir, profile)]
+    args = worker_argv(run_dir, row_dir, profile)
+    cmd = (nodes.command(row, WORKERS[row.framework], args) if nodes is not None else
+           [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={row.world_size}", "-m", WORKERS[row.framework], *args])
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           **(nodes.env() if nodes is not None else {})}
     log = row_dir / "log.txt"
     try:
         with log.open("w") as out:
@@ -109,4 +115,5 @@ def collect(row: Row, row_dir: Path) -> RowResult:
         return RowResult(row, reason="no rank reported losses")
     return RowResult(row, losses=[losses], times=[[r["times"] for r in reports]],
                      peak_rss=[r["peak_rss"] for r in reports],
-                     comm=[r["comm"] for r in reports])
+                     comm=[r["comm"] for r in reports],
+                     cross_node=[r.get("cross_node_bytes") for r in reports])

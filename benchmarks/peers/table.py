@@ -75,6 +75,17 @@ def format_tables(results: Sequence[RowResult], warmup: int) -> str:
     return "\n\n".join(parts)
 
 
+def cross_node_lines(results: Sequence[RowResult]) -> list[str]:
+    """One markdown bullet per row whose ranks counted bytes from other nodes (megatron3d's
+    ``CrossNodeCounter``) and received some: the busiest rank's, in MB per step."""
+    lines = []
+    for r in results:
+        counted = [b for b in r.cross_node if b is not None]
+        if r.ran and counted and max(counted) > 0:
+            lines.append(f"- {r.row.label} {r.row.layout}: {max(counted) / 1e6:.3f} MB")
+    return lines
+
+
 def _reference(results: Sequence[RowResult]) -> RowResult:
     found = next((r for r in results if r.row == REFERENCE), None)
     if found is None or not found.ran:

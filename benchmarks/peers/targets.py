@@ -52,3 +52,35 @@ def check_targets(results: Sequence[RowResult], warmup: int) -> list[str]:
                 lines.append(f"- MISSED: {where}: the peer takes {vs:.2f}x our step time "
                              f"(megatron3d is {slower:.1f}% slower than the target allows)")
     return lines
+
+
+NODE_BOUND = 0.6
+"""ZeRO-3 across nodes: our best node mode's step time over our flat ZeRO-3's, at most."""
+
+
+def node_targets(results: Sequence[RowResult], warmup: int) -> list[str]:
+    """Where the node rows ran (``config.node_rows``): our fastest node-aware ZeRO-3 row
+    against our flat ZeRO-3 (at most ``NODE_BOUND`` of its step time) and against FSDP2
+    hybrid sharding (at most its step time), at their layout."""
+    summaries = summarise_all(results, warmup)
+    ours = [r for r in results if r.ran and r.row.framework == "megatron3d"
+            and r.row.variant.startswith("ZeRO-3 ")]
+    if not ours:
+        return []
+    best = min(ours, key=lambda r: summaries[id(r)].step_ms)
+    mine = summaries[id(best)].step_ms
+    lines = []
+    for framework, variant, bound in (("megatron3d", "ZeRO-3", NODE_BOUND),
+                                      ("pytorch", "FSDP2 hybrid", 1.0)):
+        other = next((r for r in results if (r.row.framework, r.row.variant, r.row.layout)
+                      == (framework, variant, best.row.layout)), None)
+        where = (f"best node mode ({best.row.variant}) <= {bound:g}x {framework} {variant} "
+                 f"at {best.row.layout}")
+        if other is None or not other.ran:
+            lines.append(f"- not measured: {where}: "
+                         f"{other.reason if other is not None else 'the row did not run'}")
+            continue
+        share = mine / summaries[id(other)].step_ms
+        verdict = "met" if share <= bound else "MISSED"
+        lines.append(f"- {verdict}: {where}: ours takes {share:.2f}x its step time")
+    return lines

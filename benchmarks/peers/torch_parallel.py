@@ -1,5 +1,6 @@
-"""The PyTorch rows: the plain GPT-2 put under DDP, FSDP2, DTensor tensor parallelism or
-``torch.distributed.pipelining``, each as a ``step(tokens) -> loss`` over one global batch.
+"""The PyTorch rows: the plain GPT-2 put under DDP, FSDP2 (flat or hybrid), DTensor tensor
+parallelism or ``torch.distributed.pipelining``, each as a ``step(tokens) -> loss`` over one
+global batch.
 
 Each builder takes the whole model's megatron3d weights, keeps what its rank holds, and
 returns the step; the loss it returns is the global batch's mean (None on a pipeline stage
@@ -9,12 +10,12 @@ that does not compute it).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -53,17 +54,36 @@ def _accumulate(model: torch.nn.Module, micro: list[tuple[torch.Tensor, torch.Te
     return total
 
 
+@contextlib.contextmanager
+def _all_reduce_held(model: FSDPModule) -> Iterator[None]:
+    """HSDP without its all-reduce across replicas: gradients stay reduce-scattered (and
+    accumulate) until a micro-batch outside the block."""
+    model.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        model.set_requires_all_reduce(True)
+
+
 def data_parallel(cfg: PeerConfig, row: Row, weights: Weights) -> Step:
     """DDP (replicas, gradients all-reduced in buckets) or FSDP2 (``fully_shard`` per block
-    and at the root: parameters, gradients and optimizer state sharded)."""
+    and at the root: parameters, gradients and optimizer state sharded). FSDP2 hybrid
+    (HSDP): a (replicate, shard) mesh of the row's nodes, sharded within a node and
+    replicated across; its best setting for accumulation: each micro-batch's gradients
+    reduce-scattered in the node, the all-reduce across nodes only on the last one
+    (``set_requires_all_reduce``)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     model = _loaded(GPT2(cfg), weights)
-    if row.variant == "FSDP2":
-        mesh = init_device_mesh("cpu", (size,))
+    if row.variant.startswith("FSDP2"):
+        nodes = int(row.option("nodes", "1"))
+        mesh = (init_device_mesh("cpu", (nodes, size // nodes),
+                                 mesh_dim_names=("replicate", "shard"))
+                if nodes > 1 else init_device_mesh("cpu", (size,)))
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        wrapped, no_sync, group = model, None, mesh.get_group()
+        group = mesh.get_group("shard") if nodes > 1 else mesh.get_group()
+        wrapped, no_sync = model, (lambda: _all_reduce_held(model)) if nodes > 1 else None
     else:
         ddp = DistributedDataParallel(model)
         wrapped, no_sync, group = ddp, ddp.no_sync, None
@@ -149,5 +169,6 @@ def pipeline(cfg: PeerConfig, row: Row, weights: Weights) -> Step:
 
 
 BUILDERS: dict[str, Callable[[PeerConfig, Row, Weights], Step]] = {
-    "DDP": data_parallel, "FSDP2": data_parallel, "DTensor TP": tensor_parallel,
+    "DDP": data_parallel, "FSDP2": data_parallel, "FSDP2 hybrid": data_parallel,
+    "DTensor TP": tensor_parallel,
     "pipelining 1F1B": pipeline, "pipelining interleaved 1F1B": pipeline}

@@ -13,10 +13,12 @@ import dataclasses
 from collections.abc import Callable
 
 from megatron3d.accounting.memory import Buffers, planned_buffers
+from megatron3d.accounting.nodes import node_buffers, replica_nodes
 from megatron3d.accounting.peak import RankMemory, rank_memory
 from megatron3d.accounting.placement import Placement, placement
 from megatron3d.config import TrainConfig
 from megatron3d.errors import ConfigError
+from megatron3d.mpu.state import ranks_per_node
 from megatron3d.optim.batch_schedule import BatchSchedule
 
 GIB = 2**30
@@ -27,9 +29,20 @@ rank) -> the rank's ZeRO buffers."""
 
 def rank_buffers(cfg: TrainConfig, replicas: int, where: Placement, rank: int) -> Buffers:
     """``planned_buffers`` of pipeline rank ``rank``: its chunks built on the meta device,
-    ZeRO sharding over the ``replicas`` (context-parallel ranks hold the same weights)."""
-    return planned_buffers(cfg, cfg.parallel.tensor_model_parallel_size, replicas,
-                           list(where.spans[rank]))
+    ZeRO sharding over the ``replicas`` (context-parallel ranks hold the same weights), or
+    over the node's replicas with the node-aware ZeRO-3 (``nodes.node_buffers``)."""
+    parallel = cfg.parallel
+
+    def flat(plain: TrainConfig, shards: int) -> Buffers:
+        return planned_buffers(plain, parallel.tensor_model_parallel_size, shards,
+                               list(where.spans[rank]))
+
+    if not parallel.node_aware_zero3:
+        return flat(cfg, replicas)
+    world = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+             * replicas)
+    nodes = replica_nodes(parallel, replicas, ranks_per_node(parallel.gpus_per_node, world))
+    return node_buffers(cfg, replicas, nodes, flat)
 
 
 def layout_memory(cfg: TrainConfig, world_size: int, device_type: str = "cuda",

@@ -10,6 +10,7 @@ memory model the topology planner, the start-up report and the up-front fit chec
 - ZeRO-3: this rank's 1/DP shard of every unit (model dtype, and its fp32 gradients) and the
   slot buffers gathered units live in: per slot element its parameter, its fp32 gradient
   and, with a bf16 wire, a bf16 copy (the reduce-scatter is in place: no output buffer);
+  with a secondary shard, its 1/k of every unit (model dtype; ``nodes.node_buffers``);
 - optimizer state: the fp32 master copy of the slice a rank updates (bf16/fp16 models,
   padding included) and Adam's two fp32 moments of the real elements in it.
 
@@ -63,13 +64,15 @@ class Buffers:
 
     flat: the padded flat layout of the rank's parameters; shard: the elements it updates
     (its slices under ZeRO-1/3, padding included; ``flat`` without ZeRO); updated: the real
-    parameter elements among them; slots: ZeRO-3's slot elements (0 otherwise).
+    parameter elements among them; slots: ZeRO-3's slot elements (0 otherwise); secondary:
+    the node-local secondary shard's elements (``--zero3-secondary-shard node``).
     """
 
     flat: int
     shard: int
     updated: int
     slots: int = 0
+    secondary: int = 0
 
 
 def state_bytes(buffers: Buffers, param_bytes: int, zero_stage: int, dp: int,
@@ -81,7 +84,7 @@ def state_bytes(buffers: Buffers, param_bytes: int, zero_stage: int, dp: int,
     if zero_stage == 3:
         slots = buffers.slots
         copy = wire_bytes * slots if wire_bytes < FP32 else 0
-        return MemoryBytes(params=param_bytes * (buffers.shard + slots),
+        return MemoryBytes(params=param_bytes * (buffers.shard + slots + buffers.secondary),
                            grads=FP32 * (buffers.shard + slots) + copy,
                            optimizer_state=optimizer)
     sliced = FP32 * buffers.shard if zero_stage == 1 else 0

@@ -281,7 +281,7 @@ def broadcast(t: torch.Tensor, axis: AxisGroup, src_index: int) -> torch.Tensor:
     """Copy the ``src_index``-th member's ``t`` to every member, in place; returns ``t``."""
     if axis.size == 1:
         return t
-    _check(axis, "broadcast", t)
+    _check(axis, "broadcast", t, axis.ranks[src_index])
     dist.broadcast(t, src=axis.ranks[src_index], group=axis.group)
     traffic.returned()
     return t

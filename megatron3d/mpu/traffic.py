@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 Observer = Callable[[str, torch.Tensor, "AxisGroup", "int | None", object], None]
 """(kind, the tensor this rank contributes, the axis, the peer's global rank for a send or
-receive (else None), the caller's tag (e.g. which ZeRO unit or micro-batch), or None) for
-each operation issued."""
+receive and the source's for a broadcast (else None), the caller's tag (e.g. which ZeRO unit
+or micro-batch), or None) for each operation issued."""
 
 _observers: tuple[Observer, ...] = ()
 _completion: tuple[Callable[[Sequence[object]], None], ...] = ()  # attached ``posted`` methods
@@ -99,3 +99,47 @@ class CommCounter:
 
     def __repr__(self) -> str:
         return f"CommCounter(bytes={dict(self.bytes)}, calls={dict(self.calls)})"
+
+
+_PER_MEMBER = {"all_gather": 1, "reduce_scatter": 0, "all_to_all": 0, "all_reduce": 0}
+"""Per collective kind: 1 when each member sends its whole tensor (an all-gather's chunk),
+0 when it sends 1/size of it (to each member, or twice over for an all-reduce)."""
+
+
+class CrossNodeCounter:
+    """Bytes this rank receives from ranks on other nodes, per axis name, under each
+    operation's logical algorithm (whatever the backend does underneath: gloo builds
+    gathers from all-reduces, which is not what a cluster's NCCL sends):
+
+    - all-gather: the chunk, from each member on another node;
+    - reduce-scatter, all-to-all: 1/size of the tensor from each such member;
+    - all-reduce: twice that (a reduce-scatter, then an all-gather of the sums);
+    - receive, broadcast: the tensor, when the sender (the source) is on another node.
+
+    A send counts at its receiver, so the sum over ranks is what crosses between nodes.
+    Nodes are as torchrun numbers ranks: node = rank // ranks_per_node.
+    """
+
+    def __init__(self, ranks_per_node: int, world_rank: int) -> None:
+        self.bytes: defaultdict[str, int] = defaultdict(int)
+        self._per_node, self._node = ranks_per_node, world_rank // ranks_per_node
+
+    def __call__(self, kind: str, tensor: torch.Tensor, axis: AxisGroup,
+                 peer: int | None = None, tag: object = None) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if kind in ("recv", "broadcast"):
+            if peer is not None and peer // self._per_node != self._node:
+                self.bytes[axis.name] += size
+            return
+        if kind not in _PER_MEMBER:  # a send (counted where it arrives), a barrier
+            return
+        elsewhere = sum(1 for r in axis.ranks if r // self._per_node != self._node)
+        if elsewhere:
+            share = size if _PER_MEMBER[kind] else size // axis.size
+            self.bytes[axis.name] += (2 if kind == "all_reduce" else 1) * share * elsewhere
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()

@@ -1,10 +1,11 @@
 """One candidate layout and the training config that runs it.
 
 A ``Layout`` is every choice the planner makes: TP, PP, CP (DP follows from the world size),
-micro-batch size, ZeRO stage, recompute, the pipeline partition method, the model chunks
-per pipeline rank and sequence parallelism. ``apply`` writes it into the user's
-``TrainConfig``, so validation, the memory model and the time model all read the same config
-``pretrain_gpt.py`` would run; ``accounting/placement.py`` says where its layers go.
+micro-batch size, ZeRO stage (and ZeRO-3's use of nodes), recompute, the pipeline partition
+method, the model chunks per pipeline rank and sequence parallelism. ``apply`` writes it into
+the user's ``TrainConfig``, so validation, the memory model and the time model all read the
+same config ``pretrain_gpt.py`` would run; ``accounting/placement.py`` says where its layers
+go.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from dataclasses import dataclass
 from megatron3d.config import TrainConfig
 
 RECOMPUTE = ("none", "selective", "full")
+ZERO3_MODES = ("flat", "hybrid", "secondary")
+"""ZeRO-3 over every replica, sharded in the node and replicated across nodes
+(``--zero3-shard-group node``), or with a node-local secondary shard
+(``--zero3-secondary-shard node``)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -30,6 +35,7 @@ class Layout:
     sequence_parallel: bool = False  # only with TP > 1
     cp: int = 1  # context-parallel size: ranks splitting each sequence
     cp_comm_type: str = "p2p"  # their exchange (the user's, not searched)
+    zero3_mode: str = "flat"  # one of ZERO3_MODES (ZeRO-3 only)
 
     @property
     def replicas(self) -> int:
@@ -48,7 +54,9 @@ class Layout:
             zero_stage=self.zero_stage, pp_partition_method=self.partition_method,
             virtual_pipeline_model_parallel_size=self.virtual if self.virtual > 1 else None,
             num_layers_per_virtual_pipeline_stage=None, sequence_parallel=self.sequence_parallel,
-            context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type)
+            context_parallel_size=self.cp, cp_comm_type=self.cp_comm_type,
+            zero3_shard_group="node" if self.zero3_mode == "hybrid" else "world",
+            zero3_secondary_shard="node" if self.zero3_mode == "secondary" else "none")
         model = dataclasses.replace(
             cfg.model, checkpoint_activations=False,
             recompute_granularity=None if self.recompute == "none" else self.recompute)
@@ -69,4 +77,6 @@ class Layout:
             words.append("--sequence-parallel")
         if self.cp > 1:
             words.append(f"--context-parallel-size {self.cp} --cp-comm-type {self.cp_comm_type}")
+        words += {"flat": [], "hybrid": ["--zero3-shard-group node"],
+                  "secondary": ["--zero3-secondary-shard node"]}[self.zero3_mode]
         return " ".join(words)

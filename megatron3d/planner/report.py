@@ -14,8 +14,11 @@ from megatron3d.planner.hardware import GIB, Cluster
 from megatron3d.planner.search import Plan
 
 _HEADER = (f"{'#':>4} {'TP':>3} {'SP':>2} {'CP':>2} {'PP':>3} {'DP':>4} {'MBS':>3} {'ZeRO':>4} "
-           f"{'recompute':<9} {'v':>2} {'partition':<26} {'GiB':>6} {'s/iter':>8} "
-           f"{'TFLOPs':>7} {'bubble':>6}  reason")
+           f"{'nodes':<9} {'recompute':<9} {'v':>2} {'partition':<26} {'GiB':>6} {'s/iter':>8} "
+           f"{'TFLOPs':>7} {'bubble':>6} {'x-node':>8}  reason")
+_MODE = {"flat": "-", "hybrid": "hybrid", "secondary": "secondary"}
+"""The nodes column: ZeRO-3 sharded in the node (hybrid) or with a node-local secondary
+shard."""
 
 
 def model_parameters(model: ModelConfig) -> int:
@@ -28,7 +31,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
     significant digits), None where validation refused the layout before it was sized. The
     memory is the fullest pipeline rank's: its peak, the phase it comes from, every phase's
     peak, and the peak phase's parts (tensors by name, then the allocator's fragmentation,
-    the CUDA context and the NCCL communicators)."""
+    the CUDA context and the NCCL communicators); ZeRO-3's bytes a rank receives from other
+    nodes per step (GB, ``accounting/nodes.py``)."""
     layout, memory, time = plan.layout, plan.memory, plan.time
     sized, timed = memory is not None, time is not None
     peak = memory.peak if sized else None
@@ -41,6 +45,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "sequence_parallel": layout.sequence_parallel,
         "context_parallel_size": layout.cp,
         "cp_comm_type": layout.cp_comm_type if layout.cp > 1 else None,
+        "zero3_mode": layout.zero3_mode if layout.zero_stage == 3 else None,
         "feasible": plan.feasible, "reason": plan.reason,
         "memory_gb": _gib(memory.total) if sized else None,
         "peak_phase": peak.phase if sized else None,
@@ -56,6 +61,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "iteration_s": _significant(time.iteration_s) if timed else None,
         "tflops_per_gpu": _significant(time.tflops_per_gpu) if timed else None,
         "bubble_fraction": _significant(time.bubble_s / time.iteration_s) if timed else None,
+        "cross_node_gb_per_step": _significant(time.cross_node_bytes / 1e9)
+        if timed and time.cross_node_bytes is not None else None,
         "flags": layout.flags(),
     }
 
@@ -77,10 +84,11 @@ def table(plans: list[Plan], top: int) -> str:
         rows.append(
             f"{number:>4} {layout.tp:>3} {'y' if layout.sequence_parallel else '-':>2} "
             f"{layout.cp:>2} {layout.pp:>3} {layout.dp:>4} "
-            f"{layout.micro_batch_size:>3} {layout.zero_stage:>4} {layout.recompute:<9} "
-            f"{layout.virtual:>2} {layout.partition_method:<26} {_cell(row['memory_gb'], 1):>6} "
-            f"{_cell(row['iteration_s'], 4, 'g'):>8} {_cell(row['tflops_per_gpu'], 1):>7} "
-            f"{bubble:>6}  {plan.reason or 'feasible'}")
+            f"{layout.micro_batch_size:>3} {layout.zero_stage:>4} {_MODE[layout.zero3_mode]:<9} "
+            f"{layout.recompute:<9} {layout.virtual:>2} {layout.partition_method:<26} "
+            f"{_cell(row['memory_gb'], 1):>6} {_cell(row['iteration_s'], 4, 'g'):>8} "
+            f"{_cell(row['tflops_per_gpu'], 1):>7} {bubble:>6} "
+            f"{_cell(row['cross_node_gb_per_step'], 3):>8}  {plan.reason or 'feasible'}")
     return "\n".join(rows)
 
 

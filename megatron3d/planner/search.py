@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 from megatron3d.accounting.fit import fullest, layout_memory, shortfall
 from megatron3d.accounting.memory import Buffers, planned_buffers
+from megatron3d.accounting.nodes import Nodes, node_buffers, replica_nodes
 from megatron3d.accounting.peak import RankMemory
 from megatron3d.accounting.placement import Placement, placement
 from megatron3d.config import TrainConfig
 from megatron3d.errors import ConfigError
 from megatron3d.model.gpt import layer_table
 from megatron3d.planner.hardware import Cluster
-from megatron3d.planner.layout import RECOMPUTE, Layout
+from megatron3d.planner.layout import RECOMPUTE, ZERO3_MODES, Layout
 from megatron3d.planner.timing import StepTime, step_time
 from megatron3d.validation import validate
 
@@ -53,6 +54,7 @@ class Fixed:
     sequence_parallel: bool | None = None
     cp: int | None = None
     cp_comm_type: str = "p2p"  # not searched: the exchange the user runs
+    zero3_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,19 +84,21 @@ def candidates(world_size: int, num_layers: int, gpus_per_node: int, fixed: Fixe
     sequences of ``LONG_SEQUENCE`` tokens or more (cutting into 2 CP equal chunks), PP
     dividing what is left up to ``num_layers`` (the length of the layer list, embeddings and
     norms included), micro-batches 1..8, each ZeRO stage (only 0 without replicas of the
-    weights, DP x CP), recompute (none, selective, full), partition method, 2 or 4 model
-    chunks per rank with pipelining, and sequence parallelism with TP; ``fixed`` dimensions
-    are not enumerated."""
+    weights, DP x CP; ZeRO-3 also hybrid and with a secondary shard when the replicas span
+    nodes), recompute (none, selective, full), partition method, 2 or 4 model chunks per
+    rank with pipelining, and sequence parallelism with TP; ``fixed`` dimensions are not
+    enumerated."""
     layouts = []
     long = seq_length >= LONG_SEQUENCE
     for tp in _choices(fixed.tp, [t for t in _divisors(world_size) if t <= gpus_per_node]):
         for cp in _choices(fixed.cp, [c for c in CONTEXT_PARALLEL_SIZES if c == 1 or (
                 long and (world_size // tp) % c == 0 and seq_length % (2 * c) == 0)]):
-            layouts += _with(world_size, tp, cp, num_layers, fixed)
+            layouts += _with(world_size, tp, cp, num_layers, fixed, gpus_per_node)
     return layouts
 
 
-def _with(world_size: int, tp: int, cp: int, num_layers: int, fixed: Fixed) -> list[Layout]:
+def _with(world_size: int, tp: int, cp: int, num_layers: int, fixed: Fixed,
+          gpus_per_node: int) -> list[Layout]:
     """``candidates`` at one TP and CP size."""
     layouts = []
     for pp in _choices(fixed.pp, [p for p in _divisors(world_size // (tp * cp))
@@ -103,11 +107,14 @@ def _with(world_size: int, tp: int, cp: int, num_layers: int, fixed: Fixed) -> l
         zero_stages = (0, 1, 3) if dp * cp > 1 else (0,)
         virtuals = VIRTUAL_SIZES if pp > 1 else (1,)
         sequence = (False, True) if tp > 1 else (False,)
+        spans_nodes = tp * cp * dp > gpus_per_node  # the replicas of rank 0's shard do
+        modes = ZERO3_MODES if spans_nodes else ("flat",)
         layouts += [Layout(tp, pp, dp, mbs, zero, recompute, method, v, sp, cp,
-                           fixed.cp_comm_type)
-                    for mbs, zero, recompute, method, v, sp in itertools.product(
+                           fixed.cp_comm_type, mode)
+                    for mbs, (zero, mode), recompute, method, v, sp in itertools.product(
                         _choices(fixed.micro_batch_size, MICRO_BATCH_SIZES),
-                        _choices(fixed.zero_stage, zero_stages),
+                        [(z, m) for z in _choices(fixed.zero_stage, zero_stages)
+                         for m in (_choices(fixed.zero3_mode, modes) if z == 3 else ("flat",))],
                         _choices(fixed.recompute, RECOMPUTE),
                         _choices(fixed.partition_method, PARTITION_METHODS),
                         _choices(fixed.virtual, virtuals),
@@ -130,7 +137,9 @@ class Planner:
     buffers of a rank, built on the meta device, depend on few of the choices)."""
 
     def __init__(self, cfg: TrainConfig, cluster: Cluster, device_type: str = "cuda") -> None:
-        self.cfg, self.cluster, self.device_type = cfg, cluster, device_type
+        self.cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, gpus_per_node=cluster.gpus_per_node))
+        self.cluster, self.device_type = cluster, device_type
         self._buffers: dict[tuple, Buffers] = {}
 
     def plan(self, fixed: Fixed) -> list[Plan]:
@@ -147,21 +156,40 @@ class Planner:
         cfg = layout.apply(self.cfg)
         try:
             validate(cfg, self.cluster.world_size)
+            nodes = self._nodes(cfg, layout)
         except ConfigError as err:
             return Plan(layout, str(err))
         ranks = layout_memory(cfg, self.cluster.world_size, self.device_type,
                               self._rank_buffers)
         time = step_time(cfg, layout, placement(cfg), self.cluster,
-                         cfg.model.padded_vocab_size(layout.tp))
+                         cfg.model.padded_vocab_size(layout.tp), nodes)
         reason = shortfall(ranks, self.cluster.capacity_bytes, cfg.parallel.memory_headroom)
         r = fullest(ranks)
         return Plan(layout, reason, ranks[r], r, time)
 
+    def _nodes(self, cfg: TrainConfig, layout: Layout) -> Nodes | None:
+        """Where the layout's replicas sit; None for flat ZeRO spreading them unevenly
+        (``ConfigError`` for the node-aware ZeRO-3: its groups need them even)."""
+        try:
+            return replica_nodes(cfg.parallel, layout.replicas, self.cluster.gpus_per_node)
+        except ConfigError:
+            if cfg.parallel.node_aware_zero3:
+                raise
+            return None
+
     def _rank_buffers(self, cfg: TrainConfig, dp: int, where: Placement, rank: int) -> Buffers:
-        """``planned_buffers`` of a rank (``dp``: the weights' replicas, DP x CP), shared by
-        ranks and layouts holding the same kinds of layers under the same parameter layout
-        (which neither recompute nor sequence parallelism changes, nor the replicas without
-        ZeRO)."""
+        """A rank's buffers (``dp``: the weights' replicas, DP x CP), node-aware ZeRO-3's
+        from flat ones (``nodes.node_buffers``)."""
+        if not cfg.parallel.node_aware_zero3:
+            return self._flat_buffers(cfg, dp, where, rank)
+        nodes = replica_nodes(cfg.parallel, dp, self.cluster.gpus_per_node)
+        return node_buffers(cfg, dp, nodes,
+                            lambda plain, shards: self._flat_buffers(plain, shards, where, rank))
+
+    def _flat_buffers(self, cfg: TrainConfig, dp: int, where: Placement, rank: int) -> Buffers:
+        """``planned_buffers`` of a rank, shared by ranks and layouts holding the same kinds of
+        layers under the same parameter layout (which neither recompute nor sequence
+        parallelism changes, nor the replicas without ZeRO)."""
         model = dataclasses.replace(cfg.model, checkpoint_activations=False,
                                     recompute_granularity=None)
         parallel = cfg.parallel

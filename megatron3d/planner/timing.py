@@ -27,8 +27,11 @@ interleaved programs (``tests/planner/test_timing.py``). Then what is not hidden
   (all-reduce, or reduce-scatter) starts during the last backward and hides behind it;
   ZeRO-1's parameter all-gather after the step unless ``--overlap-param-gather``;
 - ZeRO-3: each chunk's parameters are all-gathered for the forward and again for the
-  backward (once with ``--zero3-reshard-after-forward false``) and its gradients
-  reduce-scattered, per micro-batch; with prefetch they overlap the compute;
+  backward (once a step with ``--zero3-reshard-after-forward false``) and its gradients
+  reduce-scattered, per micro-batch; with prefetch they overlap the compute. Across nodes
+  (``accounting/nodes.py``) each hop runs over its own group's ring: the node's replicas on
+  NVLink, one replica per node on the node's network share; the hybrid's per-step
+  all-reduce across nodes is not hidden;
 - the sum of the tied embedding copies of the first and last stages.
 
 Hardware TFLOPs count recomputation, as the iteration line and BigScience's figures do.
@@ -47,6 +50,7 @@ from megatron3d.accounting.flops import (
     flops_per_iteration,
     layer_forward_flops_per_token,
 )
+from megatron3d.accounting.nodes import Collective, Nodes, group_size, received, zero3_collectives
 from megatron3d.accounting.placement import Placement
 from megatron3d.config import TrainConfig
 from megatron3d.model.gpt import layer_table
@@ -68,6 +72,7 @@ class StepTime:
     exposed_comm_s: float  # data-parallel and tied-embedding traffic not hidden
     iteration_s: float
     tflops_per_gpu: float
+    cross_node_bytes: float | None = None  # ZeRO-3's, per rank (accounting/nodes.py)
 
 
 def head_flops_per_token(cfg: TrainConfig, padded_vocab: int) -> float:
@@ -79,10 +84,12 @@ def head_flops_per_token(cfg: TrainConfig, padded_vocab: int) -> float:
 
 
 def step_time(cfg: TrainConfig, layout: Layout, where: Placement, cluster: Cluster,
-              padded_vocab: int) -> StepTime:
-    """The step of ``cfg`` (``layout`` applied) on ``cluster``."""
+              padded_vocab: int, nodes: Nodes | None = None) -> StepTime:
+    """The step of ``cfg`` (``layout`` applied) on ``cluster``; ``nodes``: where the weights'
+    replicas sit (None: as if on one node, for a layout spreading them unevenly)."""
     model, parallel = cfg.model, cfg.parallel
     tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual
+    nodes_or_one = nodes or Nodes(count=1, per_node=layout.replicas)
     schedule = BatchSchedule.from_config(cfg.training, dp)
     m = schedule.global_batch_size // schedule.samples_per_micro_batch_step
     tokens = layout.micro_batch_size * model.seq_length // layout.cp  # this rank's
@@ -100,7 +107,7 @@ def step_time(cfg: TrainConfig, layout: Layout, where: Placement, cluster: Clust
              "selective": attention_core_flops_per_token(model) * tokens / tp}[layout.recompute]
     recomputed = 2 if layout.recompute == "full" else 0
     cp_forward, cp_backward = _context_parallel(cfg, layout, cluster, e)
-    zero3 = _Zero3Traffic(cfg, layout, cluster, e)
+    zero3 = _Zero3Traffic(cfg, layout, cluster, e, nodes_or_one, m)
     forwards, backwards = [], []
     for names in where.virtual_stages:
         n, with_head = names.count("TransformerLayer"), "OutputEmbedding" in names
@@ -113,12 +120,14 @@ def step_time(cfg: TrainConfig, layout: Layout, where: Placement, cluster: Clust
         backwards.append(zero3.backward(bwd, names))
     fwd, bwd = max(forwards), max(backwards)
     pipeline = pipeline_seconds(m, pp, v, fwd, bwd)
+    after_step, across = zero3.after_step(where)
     exposed = _exposed_data_parallel(cfg, layout, where, cluster, e, bwd) + _tied(
-        cfg, layout, cluster, padded_vocab)
+        cfg, layout, cluster, padded_vocab) + after_step
     iteration = pipeline + exposed
     flops = flops_per_iteration(model, schedule.global_batch_size, padded_vocab).hardware
     return StepTime(fwd, bwd, pipeline, (pp - 1) * (fwd + bwd), exposed, iteration,
-                    flops / (iteration * cluster.world_size * 1e12))
+                    flops / (iteration * cluster.world_size * 1e12),
+                    across if layout.zero_stage == 3 and nodes is not None else None)
 
 
 def _context_parallel(cfg: TrainConfig, layout: Layout, cluster: Cluster,
@@ -146,43 +155,66 @@ def pipeline_seconds(micro_batches: int, stages: int, chunks: int, forward: floa
 
 
 def _stage_params(cfg: TrainConfig, names: tuple[str, ...], tp: int) -> float:
-    """Parameters of a chunk of layers ``names`` on one TP rank (split evenly)."""
+    """Parameters of a chunk of layers ``names`` on one TP rank (split evenly); a tied head
+    on the embedding's chunk is that same parameter, counted once."""
     all_names, counts = layer_table(cfg.model)
     per_type = dict(zip(all_names, counts, strict=True))
-    return sum(per_type[name] for name in names) / tp
+    tied = cfg.model.tie_embeddings and {"InputEmbedding", "OutputEmbedding"} <= set(names)
+    return (sum(per_type[name] for name in names)
+            - (per_type["OutputEmbedding"] if tied else 0)) / tp
 
 
 @dataclass(frozen=True)
 class _Zero3Traffic:
-    """ZeRO-3's per-micro-batch gathers and reduce-scatters of a chunk, overlapped with its
-    compute when prefetching."""
+    """ZeRO-3's gathers and reductions of a chunk (``accounting/nodes.py``: flat, hybrid or
+    with a secondary shard), each over its group's ring bandwidth: per micro-batch in the
+    forward and backward, overlapped with their compute when prefetching (a step's one
+    cross-node gather of the secondary shard spread over its micro-batches), and the
+    hybrid's all-reduce across nodes after the last backward, not hidden."""
 
     cfg: TrainConfig
     layout: Layout
     cluster: Cluster
     param_bytes: int
+    nodes: Nodes
+    micro_batches: int
 
-    def _gather(self, names: tuple[str, ...]) -> float:
-        dp = self.layout.replicas
-        if self.layout.zero_stage != 3 or dp == 1:
-            return 0.0
-        params = _stage_params(self.cfg, names, self.layout.tp)
-        return (dp - 1) / dp * params * self.param_bytes / self.cluster.ring_bandwidth(
-            dp, self.layout.tp)
+    def collectives(self, names: tuple[str, ...]) -> list[Collective]:
+        if self.layout.zero_stage != 3:
+            return []
+        return zero3_collectives(_stage_params(self.cfg, names, self.layout.tp),
+                                 self.cfg.parallel, self.nodes, self.micro_batches,
+                                 self.param_bytes)
+
+    def seconds(self, names: tuple[str, ...], phase: str) -> float:
+        spread = 1 if phase == "step" else self.micro_batches
+        return sum(c.times / spread * self._ring(c) for c in self.collectives(names)
+                   if c.phase == phase)
+
+    def _ring(self, c: Collective) -> float:
+        size = group_size(c.group, self.nodes)
+        stride = self.layout.tp * (self.nodes.per_node if c.group == "dp_inter" else 1)
+        passes = 2 if c.kind == "all_reduce" else 1
+        return passes * (size - 1) / size * c.nbytes / self.cluster.ring_bandwidth(size, stride)
 
     def _combine(self, compute: float, comm: float) -> float:
         overlap = self.cfg.parallel.zero3_prefetch_depth > 0
         return max(compute, comm) if overlap else compute + comm
 
     def forward(self, compute: float, names: tuple[str, ...]) -> float:
-        return self._combine(compute, self._gather(names))
+        return self._combine(compute, self.seconds(names, "forward"))
 
     def backward(self, compute: float, names: tuple[str, ...]) -> float:
-        parallel = self.cfg.parallel
-        wire = 2 if parallel.grad_reduce_in_bf16 else FP32
-        again = self._gather(names) if parallel.reshard_after_forward else 0.0
-        reduce = self._gather(names) * wire / self.param_bytes
-        return self._combine(compute, again + reduce)
+        return self._combine(compute, self.seconds(names, "backward"))
+
+    def after_step(self, where: Placement) -> tuple[float, float]:
+        """(seconds of the per-step collectives, bytes a rank receives from other nodes per
+        step), on the pipeline rank with the most of both."""
+        ranks = range(self.layout.pp)
+        return (max(sum(self.seconds(names, "step") for names in where.chunk_names(r))
+                    for r in ranks),
+                max(sum(received(self.collectives(names), self.nodes).inter
+                        for names in where.chunk_names(r)) for r in ranks))
 
 
 def _exposed_data_parallel(cfg: TrainConfig, layout: Layout, where: Placement,

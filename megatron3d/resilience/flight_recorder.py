@@ -45,7 +45,7 @@ class Op(NamedTuple):
     group: str  # the axis name: tp, pp, dp, mp, embedding, world
     ranks: tuple[int, ...]  # the group's global ranks
     group_seq: int  # per group (collectives) or per (group, kind, peer) (send/recv)
-    peer: int | None  # global rank of the other side of a send or receive
+    peer: int | None  # global rank of the other side of a send or receive, a broadcast's source
     shape: tuple[int, ...]
     dtype: torch.dtype
     iteration: int  # the training step in progress (0 before the first)
@@ -81,7 +81,7 @@ class FlightRecorder:
     # -- traffic observer -------------------------------------------------------------------
     def __call__(self, kind: str, tensor: torch.Tensor, axis: AxisGroup,
                  peer: int | None = None, tag: Any = None) -> None:
-        key = (id(axis.group), kind, peer) if peer is not None else id(axis.group)
+        key = (id(axis.group), kind, peer) if kind in P2P_KINDS else id(axis.group)
         group_seq = self._counts.get(key, 0)
         self._counts[key] = group_seq + 1
         pos = self._pos

@@ -19,8 +19,11 @@ fixed instead of enumerated: ``--tp``/``--pp`` (or their long spellings),
 ``--checkpoint-activations``, ``--pp-partition-method``,
 ``--virtual-pipeline-model-parallel-size``, ``--sequence-parallel``,
 ``--context-parallel-size`` (searched over 1, 2, 4, 8 from 8192-token sequences on; the
-exchange is ``--cp-comm-type``'s, p2p by default). Flags that change no layout may be left
-out:
+exchange is ``--cp-comm-type``'s, p2p by default), ``--zero3-shard-group`` or
+``--zero3-secondary-shard`` (ZeRO-3 across nodes: flat, hybrid and secondary shard are
+searched when the weights' replicas span nodes; ``--zero3-quantize-*`` apply as given). The
+table's x-node column is ZeRO-3's GB a rank receives from other nodes per step. Flags that
+change no layout may be left out:
 without a data source the plan assumes ``--mock-data``, without ``--lr`` a learning rate of 1,
 without a run length ``--train-iters 1`` (they only let validation run).
 """
@@ -41,7 +44,7 @@ from megatron3d.cli.arguments import (
     read_config_file,
 )
 from megatron3d.cli.common import OneLineParser, add_float, add_int, run_tool
-from megatron3d.config import TrainConfig
+from megatron3d.config import ParallelConfig, TrainConfig
 from megatron3d.config.ranges import AT_LEAST_ONE, Range
 from megatron3d.errors import ConfigError
 from megatron3d.planner.hardware import A100_80GB, Cluster
@@ -126,7 +129,16 @@ def _fixed(args: argparse.Namespace, cfg: TrainConfig, given: set[str]) -> Fixed
         if "virtual_pipeline_model_parallel_size" in given else None,
         sequence_parallel=parallel.sequence_parallel if "sequence_parallel" in given else None,
         cp=parallel.context_parallel_size if "context_parallel_size" in given else None,
-        cp_comm_type=parallel.cp_comm_type)
+        cp_comm_type=parallel.cp_comm_type,
+        zero3_mode=_zero3_mode(parallel) if {"zero3_shard_group", "zero3_secondary_shard"}
+        & given else None)
+
+
+def _zero3_mode(parallel: ParallelConfig) -> str:
+    """The planner's name of the ZeRO-3 node mode the flags chose."""
+    if parallel.zero3_shard_group == "node":
+        return "hybrid"
+    return "secondary" if parallel.zero3_secondary_shard == "node" else "flat"
 
 
 def _complete(cfg: TrainConfig) -> TrainConfig:

@@ -139,7 +139,7 @@ def test_compare_runs_rounds_reports_targets_and_writes_the_readme(monkeypatch, 
     rows = [REFERENCE, OURS_DP, DDP]
     calls = []
 
-    def fake_run_row(row, run_dir, row_dir, timeout_s, prefix, profile):
+    def fake_run_row(row, run_dir, row_dir, timeout_s, prefix, profile, nodes=None):
         calls.append((row.label, row_dir.name, profile))
         return _run(row, {REFERENCE: 1.0, OURS_DP: 0.5, DDP: 0.45}[row])
 
