@@ -59,6 +59,7 @@ logger = get_logger("local_nodes")
 REPO = Path(__file__).resolve().parents[2]
 GRACE_S = 30.0  # after a node fails, how long the others may finish before SIGTERM
 KILL_AFTER_S = 60.0  # and before SIGKILL
+IDLE_S = 2.0  # how long a torchrun without ranks may wait for nodes that exited
 TOOLS = ("ip", "tc", "unshare")
 
 
@@ -277,21 +278,41 @@ class _Job:
             _signal(pid, signum)
 
     def _wait(self) -> int:
-        first_failure: int | None = None
-        failed_at = 0.0
-        while any(p.poll() is None for p in self.procs):
-            for p in self.procs:
-                if p.returncode not in (None, 0) and first_failure is None:
-                    first_failure, failed_at = p.returncode, time.monotonic()
-                    logger.info("local_nodes: a node's launcher exited with code %d; the "
-                                "others have %.0f s to finish", p.returncode, GRACE_S)
-            if first_failure is not None:
-                self._escalate(time.monotonic() - failed_at)
+        """The first non-zero exit code of the nodes' launchers (in time), else 0."""
+        codes: list[int | None] = [None] * len(self.procs)
+        first, failed_at = 0, 0.0
+        idle: dict[int, float] = {}  # node -> since when its torchrun has had no ranks
+        while None in codes:
+            now = time.monotonic()
+            for i, p in enumerate(self.procs):
+                if codes[i] is None and p.poll() is not None:
+                    codes[i] = _exit_code(p.returncode)
+                    if codes[i] and not first:
+                        first, failed_at = codes[i], now
+                        logger.info("local_nodes: a node's launcher exited with code %d; the "
+                                    "others have %.0f s to finish", first, GRACE_S)
+            if self.batch is None and None in codes and any(c is not None for c in codes):
+                self._end_waiting(codes, idle, now)
+            if first:
+                self._escalate(now - failed_at)
             time.sleep(0.2)
-        if first_failure is None:
-            first_failure = next((p.returncode for p in self.procs if p.returncode), 0)
-        logger.info("local_nodes: the job exited with code %d", first_failure)
-        return first_failure
+        logger.info("local_nodes: the job exited with code %d", first)
+        return first
+
+    def _end_waiting(self, codes: list[int | None], idle: dict[int, float], now: float) -> None:
+        """A torchrun whose ranks are all gone, after another node's launcher exited, waits
+        in torchrun's exit barrier (up to 300 s, deaf to SIGTERM) for a node that will never
+        come: its ranks finished, so it is ended, as srun --kill-on-bad-exit would."""
+        for i, p in enumerate(self.procs):
+            if codes[i] is not None or _has_children(p.pid):
+                idle.pop(i, None)
+                continue
+            if now - idle.setdefault(i, now) > IDLE_S:
+                logger.info("local_nodes: node %d's ranks are done; its torchrun waits for a "
+                            "node that exited: ended", i)
+                _kill_tree(p.pid)
+                p.wait()
+                codes[i] = 0
 
     def _escalate(self, since_failure: float) -> None:
         if since_failure > KILL_AFTER_S:
@@ -311,6 +332,21 @@ class _Job:
 def _signal(pid: int, signum: int) -> None:
     with suppress(ProcessLookupError):
         os.kill(pid, signum)
+
+
+def _exit_code(returncode: int) -> int:
+    """Popen's code as a shell gives it (killed by signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _has_children(pid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with suppress(OSError):
+                # the fields after the command's closing parenthesis: state, ppid, ...
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    return True
+    return False
 
 
 def _kill_tree(pid: int) -> None:

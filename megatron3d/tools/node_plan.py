@@ -29,6 +29,7 @@ MAX_NODES = 250
 BURST = "256kb"  # tbf's bucket: at least one burst of segments; 256 kB suits 2 Gbit/s
 LATENCY = "50ms"  # how long a packet may wait for tokens before tbf drops it
 NETNS_ETC = Path("/etc/netns")
+KILL_WAIT_S = 30  # Slurm's default KillWait: SIGTERM to SIGKILL when a step is torn down
 _OWNED = re.compile(rf"^{PREFIX}-(\d+)-(?:n\d+|sw)$")
 
 
@@ -142,6 +143,7 @@ pids=()
 {starts}
 trap 'kill -TERM "${{pids[@]}}" 2>/dev/null' TERM INT
 code=0
+failed_at=0
 left=${{#pids[@]}}
 declare -A done_pids=()
 while ((left)); do
@@ -153,9 +155,14 @@ while ((left)); do
     left=$((left - 1))
     if ((rc > code)); then
       ((code)) || kill -TERM "${{pids[@]}}" 2>/dev/null  # --kill-on-bad-exit
+      ((code)) || failed_at=$SECONDS
       code=$rc
     fi
   done
+  # Slurm's KillWait: SIGKILL what is left {KILL_WAIT_S} s after the SIGTERM
+  if ((code && SECONDS - failed_at > {KILL_WAIT_S})); then
+    kill -KILL "${{pids[@]}}" 2>/dev/null
+  fi
   sleep 0.2
 done
 exit "$code"
