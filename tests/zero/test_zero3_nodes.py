@@ -8,6 +8,7 @@ from collections import Counter
 
 import torch
 
+from megatron3d.accounting import memory
 from megatron3d.training.step import train_step
 from megatron3d.zero.stage3 import plan as P  # noqa: N812 - the plan vocabulary
 from tests.helpers.dist import run_distributed
@@ -49,7 +50,8 @@ class _ByAxis:
 
 
 def _count_steps(*flags: str) -> list[dict]:
-    """Two steps of a node-aware run, the collectives of each counted by axis."""
+    """Two steps of a node-aware run, the collectives of each counted by axis; its memory
+    held and as the start-up line predicts it."""
     from megatron3d.mpu.traffic import observing
 
     trainer, state = build(_argv(*NODES, *flags))
@@ -67,7 +69,11 @@ def _count_steps(*flags: str) -> list[dict]:
                       "units": len(zero3.units.groups), "gathers": program_gathers,
                       "micro_batches": gbs // state.dp_cp.size,
                       "sizes": (state.dp_intra.size, state.dp_inter.size)})
-    return steps
+    params = list(trainer.model.engine.stage.parameters())
+    return {"steps": steps, "secondary": zero3.secondary_numel, "flat": zero3.layout.numel,
+            "shard": zero3.shard.numel,
+            "measured": memory.measured(trainer.model.optimizer, zero3),
+            "expected": memory.expected(params, 3, zero3)}
 
 
 def _equal_runs() -> dict:
@@ -85,7 +91,13 @@ def test_node_modes_equal_flat_zero3_and_one_process_and_cross_nodes_as_designed
     assert_each_variant([r["runs"] for r in per_rank], reference_run(tuple(_argv())), labels,
                         FP32)
     for r in per_rank:
-        for step in r["hybrid"]:  # gathers and reductions in the node, one sum across
+        for mode, shard_ways, secondary in (("hybrid", 2, 0), ("secondary", 4, 2)):
+            found = r[mode]
+            assert found["shard"] * shard_ways == found["flat"]  # states over k, or all D
+            assert found["secondary"] * (secondary or 1) == found["flat"] * bool(secondary)
+            measured, expected = found["measured"], found["expected"]
+            assert abs(measured.total - expected.total) <= 0.05 * expected.total
+        for step in r["hybrid"]["steps"]:  # gathers and reductions in the node, one sum across
             calls, units, m = step["calls"], step["units"], step["micro_batches"]
             assert step["sizes"] == (2, 2) and m == 2
             assert calls[("all_gather", "dp_intra")] == step["gathers"]
@@ -96,7 +108,7 @@ def test_node_modes_equal_flat_zero3_and_one_process_and_cross_nodes_as_designed
             assert calls[("all_reduce", "dp_inter")] == 2
             shard_bytes = step["bytes"][("reduce_scatter", "dp_intra")] // (m * 2)
             assert step["bytes"][("all_reduce", "dp_inter")] == shard_bytes + 4
-        for step in r["secondary"]:  # the first gather of each unit crosses, no other
+        for step in r["secondary"]["steps"]:  # the first gather of each unit crosses, no other
             calls, units, m = step["calls"], step["units"], step["micro_batches"]
             assert calls[("all_gather", "dp_inter")] == units
             assert calls[("all_gather", "dp_intra")] == step["gathers"]
