@@ -206,15 +206,19 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
 
 
 def start_all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
-                          tag: object = None) -> dist.Work | None:
+                          tag: object = None, least_bytes: bool = False) -> dist.Work | None:
     """Begin ``all_gather_into``; wait on the returned work (None when already done). On
-    NCCL the wait orders the caller's stream after the gather without blocking the host."""
+    NCCL the wait orders the caller's stream after the gather without blocking the host.
+    ``least_bytes``: gloo's own all-gather even on host memory, where the in-place sum
+    (``_in_place``) would move twice the bytes over the links (for gathers whose point is
+    the bytes they save, e.g. int8 ones; ``t`` must then not be a chunk of ``out``)."""
     if axis.size == 1:
         if out.data_ptr() != t.data_ptr():
             out.copy_(t)
         return None
     _check(axis, "all_gather", t, tag=tag)
-    if _in_place(axis):  # every other chunk zero, then a sum: exactly the gathered values
+    if _in_place(axis) and (not least_bytes or _gloo_on_device(t, axis)):
+        # every other chunk zero, then a sum: exactly the gathered values
         n = t.numel()
         mine = out[axis.rank * n:(axis.rank + 1) * n]
         if mine.data_ptr() != t.data_ptr():
@@ -223,6 +227,23 @@ def start_all_gather_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
         out[(axis.rank + 1) * n:].zero_()
         return _posted(dist.all_reduce(out, group=axis.group, async_op=True))
     return _posted(_all_gather_single(out, t, group=axis.group, async_op=True))
+
+
+def start_all_to_all_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
+                          tag: object = None) -> Work | None:
+    """Begin ``all_to_all`` of flat ``t`` into flat ``out`` (same size, not ``t``): part i
+    of ``t`` goes to member i, ``out`` receives the parts in member order. One collective."""
+    if axis.size == 1:
+        out.copy_(t)
+        return None
+    _check(axis, "all_to_all", t, tag=tag)
+    if _gloo_on_device(t, axis):  # every rank's parts among zeros, summed; keep ours
+        every = torch.zeros((axis.size, t.numel()), dtype=t.dtype, device=t.device)
+        every[axis.rank].copy_(t)
+        work = _posted(dist.all_reduce(every, group=axis.group, async_op=True))
+        parts = every.view(axis.size, axis.size, -1)  # [from, to, part]
+        return _Then(work, lambda: out.view(axis.size, -1).copy_(parts[:, axis.rank]))
+    return _posted(dist.all_to_all_single(out, t, group=axis.group, async_op=True))
 
 
 def _posted(work: dist.Work) -> dist.Work:
