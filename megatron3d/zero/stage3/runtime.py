@@ -55,15 +55,15 @@ class Zero3:
         groups = self.units.groups
         self.hops = build_hops(parallel, dp, nodes)
         ways = self.hops.shard_axis.size
-        self.layout = FlatLayout([list(g) for g in groups], counted, ways)
+        self.layout = FlatLayout([list(g) for g in groups], counted, self.hops.align)
         dtype = groups[0][0].dtype
         self.shard = Shard.sliced(self.layout, self.hops.slice_index, ways, None, dtype, device)
-        self.hops.attach(self.layout, dtype, device)
         self.depth = parallel.zero3_prefetch_depth
         self.pinned = self.units.tied if parallel.reshard_after_forward else frozenset(
             range(len(groups)))
         self.accumulate = frozenset() if parallel.reshard_after_forward else self.pinned
         self.slot_of = _assign_slots(len(groups), self.pinned, parallel.live_units)
+        self.hops.attach(self.layout, dtype, device, self.slot_of)
         self.slots = self._allocate(dtype, wire, device)
         self._shard_and_bind()
         self._plans: dict[tuple, plan.Plan] = {}
@@ -189,7 +189,7 @@ class Zero3:
         piece = self.shard.pieces[unit]
         n = piece.end - piece.start
         slot = self.slots[self.slot_of[unit]]
-        slot.reduce_scatter(self.layout.buckets[unit].numel,
+        slot.reduce_scatter(unit, self.layout.buckets[unit].numel,
                             self.shard.grads[piece.local:piece.local + n], self.hops)
         if self.hops.levels > 1:
             self._advancing.append(slot)
@@ -250,7 +250,7 @@ class Zero3:
         secondary shard."""
         shard = self.shard.local_params
         params = (shard.nbytes + self.hops.secondary_numel * shard.element_size()
-                  + sum(s.params.nbytes for s in self.slots))
+                  + self.hops.wire_bytes + sum(s.params.nbytes for s in self.slots))
         grads = self.shard.grads.nbytes + sum(s.nbytes() - s.params.nbytes for s in self.slots)
         return params, grads
 

@@ -31,8 +31,9 @@ class Slot:
         extra = 0 if self.wire is None else self.wire.nbytes
         return self.params.nbytes + self.grads.nbytes + extra
 
-    def reduce_scatter(self, numel: int, into: torch.Tensor, hops: Flat) -> None:
-        """Average this slot's first ``numel`` gradients over DP as ``hops`` travels them;
+    def reduce_scatter(self, unit: int, numel: int, into: torch.Tensor, hops: Flat) -> None:
+        """Average unit ``unit``'s gradients, this slot's first ``numel`` (the unit may
+        already be released), over DP as ``hops`` travels them;
         this rank's 1/DP is added into ``into`` once the collectives complete (``drain``).
         The gradients (or their wire copy) are overwritten: the sum lands in this rank's
         chunk of them."""
@@ -42,7 +43,7 @@ class Slot:
         if self.wire is not None:
             self.wire[:numel].copy_(grads)
             grads = self.wire[:numel]
-        work, out = hops.reduce(grads, ("unit", self.occupant))
+        work, out = hops.reduce(unit, grads)
         self._pending = (work, out, into)
 
     def advance(self) -> None:
