@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from megatron3d.accounting import memory
@@ -187,3 +188,13 @@ def test_quantized_modes_train_close_to_fp32_on_a_quarter_of_the_cross_node_byte
         assert 0.254 <= quantized / plain <= 0.27, r["bytes"]
         plain, quantized = r["bytes"]["hybrid"]
         assert quantized / plain <= 0.254 * 1.5 + 0.01, r["bytes"]  # (n + 1) / n of a record
+
+
+def test_quantized_grads_refuse_a_bf16_reduction():
+    from megatron3d.config import ParallelConfig
+    from megatron3d.errors import ConfigError
+    from megatron3d.zero.checks import check_zero
+
+    parallel = ParallelConfig(zero_stage=3, zero3_quantize_grads=True, grad_reduce_in_bf16=True)
+    with pytest.raises(ConfigError, match="--zero3-quantize-grads .* drop one"):
+        check_zero(parallel, 4)
