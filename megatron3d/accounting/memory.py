@@ -10,7 +10,9 @@ memory model the topology planner, the start-up report and the up-front fit chec
 - ZeRO-3: this rank's 1/DP shard of every unit (model dtype, and its fp32 gradients) and the
   slot buffers gathered units live in: per slot element its parameter, its fp32 gradient
   and, with a bf16 wire, a bf16 copy (the reduce-scatter is in place: no output buffer);
-  with a secondary shard, its 1/k of every unit (model dtype; ``nodes.node_buffers``);
+  with the secondary shard (``--zero3-secondary-shard node``) its model-dtype copy of 1/k of
+  the stage (k ranks per node); hybrid sharding (``--zero3-shard-group node``) shards over
+  the node's k replicas, not all D (planned from flat buffers by ``nodes.node_buffers``);
 - optimizer state: the fp32 master copy of the slice a rank updates (bf16/fp16 models,
   padding included) and Adam's two fp32 moments of the real elements in it.
 
@@ -65,7 +67,7 @@ class Buffers:
     flat: the padded flat layout of the rank's parameters; shard: the elements it updates
     (its slices under ZeRO-1/3, padding included; ``flat`` without ZeRO); updated: the real
     parameter elements among them; slots: ZeRO-3's slot elements (0 otherwise); secondary:
-    the node-local secondary shard's elements (``--zero3-secondary-shard node``).
+    the elements of ZeRO-3's secondary shard (0 without one).
     """
 
     flat: int
@@ -106,12 +108,23 @@ def wire_bytes(buffers: Buffers, zero_stage: int, dp: int, grad_reduce_in_bf16: 
 
 
 def analytic(num_params: int, param_bytes: int, zero_stage: int, dp: int,
-             live_numel: int = 0) -> MemoryBytes:
-    """``state_bytes`` from a rank's parameter count alone (no padding known);
-    ``live_numel``: elements of ZeRO-3's slot buffers (``live_numel()``)."""
+             live_numel: int = 0, secondary_numel: int = 0) -> MemoryBytes:
+    """``state_bytes`` from a rank's parameter count alone (no padding known); ``dp``: the
+    ranks the states are sharded over; ``live_numel``: elements of ZeRO-3's slot buffers
+    (``live_numel()``); ``secondary_numel``: of its secondary shard."""
     shard = num_params // dp if zero_stage else num_params
-    return state_bytes(Buffers(flat=num_params, shard=shard, updated=shard, slots=live_numel),
-                       param_bytes, zero_stage, dp)
+    return state_bytes(Buffers(flat=num_params, shard=shard, updated=shard, slots=live_numel,
+                               secondary=secondary_numel), param_bytes, zero_stage, dp)
+
+
+def expected(params: list, zero_stage: int, data_parallel: DataParallel) -> MemoryBytes:
+    """``analytic`` for a run's own stage ``params`` and data-parallel object: the states
+    sharded over its norm axis (hybrid ZeRO-3: the node's replicas), its slots and secondary
+    shard."""
+    axis = data_parallel.norm_axis
+    return analytic(sum(p.numel() for p in params), params[0].element_size(), zero_stage,
+                    axis.size if axis is not None else 1, live_numel(data_parallel),
+                    data_parallel.secondary_numel)
 
 
 def planned_buffers(cfg: TrainConfig, tp: int, dp: int,
@@ -131,7 +144,7 @@ def planned_buffers(cfg: TrainConfig, tp: int, dp: int,
     shard = data_parallel.shard
     updated = sum(end - start for _, start, end, _ in shard.segment_parts())
     return Buffers(flat=shard.layout.numel, shard=shard.numel, updated=updated,
-                   slots=live_numel(data_parallel))
+                   slots=live_numel(data_parallel), secondary=data_parallel.secondary_numel)
 
 
 def _axis(size: int) -> AxisGroup:

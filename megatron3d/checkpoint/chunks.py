@@ -4,8 +4,9 @@ A chunk is a piece of one logical tensor ("layers.3.mlp.fc1.weight", kind "weigh
 "exp_avg" or "exp_avg_sq"): the range [start, end) of the flattened local slice that TP rank
 ``tp_rank`` of ``tp_size`` holds, plus how that slice was cut from the logical tensor (split
 dimension and stride, padded vocabulary rows). Each rank writes only the chunks it owns:
-its ZeRO slice (or, without ZeRO, data-parallel rank 0 all of it), TP-replicated tensors from
-TP rank 0, tied copies from the first stage. Nothing is gathered to one rank when saving.
+its ZeRO slice (or, without ZeRO, data-parallel rank 0 all of it; under hybrid ZeRO-3 the
+first node's ranks), TP-replicated tensors from TP rank 0, tied copies from the first
+stage. Nothing is gathered to one rank when saving.
 
 Loading into any layout: each rank copies from the chunks overlapping its own pieces only
 what it holds (``shard_reader.py``, ``overlap.py``); the offline tools join a logical tensor
@@ -32,25 +33,27 @@ from megatron3d.errors import CheckpointError
 from megatron3d.mpu.meta import ParamMeta
 from megatron3d.mpu.replicas import counted_once
 from megatron3d.mpu.sharding import tp_shard, tp_unshard
-from megatron3d.mpu.state import ParallelState
+from megatron3d.mpu.state import AxisGroup, ParallelState
 from megatron3d.zero.shard import Shard
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
 
 
-def owns(param: nn.Parameter, state: ParallelState, zero_stage: int) -> bool:
+def owns(param: nn.Parameter, state: ParallelState, replicas: list[AxisGroup]) -> bool:
     """Whether this rank writes ``param``'s chunks (each logical element exactly once):
-    without ZeRO, the first of its replicas over dp x cp."""
-    return counted_once(state, param) and (zero_stage > 0 or state.dp_cp.rank == 0)
+    ``replicas`` are the axes of ranks holding copies of this rank's shard (the optimizer's
+    ``replica_axes``: dp x cp without ZeRO, the other nodes under hybrid ZeRO-3), of which
+    the first writes."""
+    return counted_once(state, param) and all(axis.rank == 0 for axis in replicas)
 
 
 def owned_parts(params: list[nn.Parameter], shard: Shard, state: ParallelState,
-                zero_stage: int) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+                replicas: list[AxisGroup]) -> Iterator[tuple[nn.Parameter, int, int, int]]:
     """(parameter, start, end, local offset) of every piece this rank writes, in the order
     of its chunks: the one walk that saving, the async snapshot and the same-layout load
     check share."""
     for p in params:
-        if owns(p, state, zero_stage):
+        if owns(p, state, replicas):
             for start, end, offset in shard.parts_of(p):
                 yield p, start, end, offset
 

@@ -120,7 +120,7 @@ def load(directory: Path, cfg: TrainConfig, state: ParallelState, params: list[n
     same_layout = meta["layout"] == layout(cfg, state)
     target = shard_reader.targets(optimizer.shard, moments=not no_optim)
     saved_rng = shard_reader.read(directory, meta, state, params, optimizer.shard, target, kinds,
-                                  cfg.parallel.zero_stage, same_layout)
+                                  optimizer.replica_axes, same_layout)
     target["step"] = torch.tensor(meta["adam_step"])
     optimizer.load_local_state(target, no_optim)
     optimizer.shard.grads.zero_()  # it held the weights

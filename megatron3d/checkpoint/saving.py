@@ -70,7 +70,7 @@ class Saver:
     def __call__(self, progress: Progress) -> str:
         if self._snapshot is None:
             self._snapshot = HostSnapshot(self.params, self.optimizer.shard, self.state,
-                                          self.cfg.parallel.zero_stage)
+                                          self.optimizer.replica_axes)
         save(self.root, self.cfg, self.state, self.optimizer, progress, self.series, self.rng,
              self.lr_schedule, self._snapshot, self.background)
         return str(io.iteration_dir(Path(self.root), progress.iteration))

@@ -43,7 +43,7 @@ from megatron3d.checkpoint.payload import CHUNK_KEYS
 from megatron3d.errors import CheckpointError
 from megatron3d.mpu import comm
 from megatron3d.mpu.meta import get_meta
-from megatron3d.mpu.state import ParallelState
+from megatron3d.mpu.state import AxisGroup, ParallelState
 from megatron3d.zero.shard import Shard
 
 T = TypeVar("T")
@@ -63,21 +63,23 @@ def targets(shard: Shard, moments: bool) -> dict[str, torch.Tensor]:
 
 def read(directory: Path, meta: dict[str, Any], state: ParallelState,
          params: list[nn.Parameter], shard: Shard, found: dict[str, torch.Tensor],
-         kinds: tuple[str, ...], zero_stage: int, same_layout: bool) -> dict[str, Any] | None:
+         kinds: tuple[str, ...], replicas: list[AxisGroup],
+         same_layout: bool) -> dict[str, Any] | None:
     """Fill ``found`` (from ``targets``) with the saved ``kinds``; this rank's saved RNG
-    states if the layout is the same (None if not, or if the file holds none)."""
+    states if the layout is the same (None if not, or if the file holds none). ``replicas``:
+    the axes of ranks holding copies of this rank's shard (``chunks.owns``)."""
     device = found["weight"].device
     own = None
     if same_layout:
         own = together(state, device, lambda: chunk_index.open_rank(directory, meta,
                                                                      state.world_rank))
-        mine = _what_i_write(params, shard, state, zero_stage, kinds)
+        mine = _what_i_write(params, shard, state, replicas, kinds)
         theirs = Counter(_description(c) for c in own["chunks"] if c["kind"] in kinds)
         same_layout = not comm.any_rank(mine != theirs, state.world, device)
     if same_layout:  # and every rank's own file holds what it would write now
         together(state, device, lambda: _copy_own(directory, state.world_rank, own, params,
                                                   shard, found, kinds))
-        _receive_copies(params, shard, found, state, zero_stage)
+        _receive_copies(params, shard, found, state, replicas)
     else:
         opened = {} if own is None else {state.world_rank: own}
         together(state, device, lambda: _copy_overlaps(directory, meta, params, state, shard,
@@ -109,11 +111,11 @@ def _description(chunk: dict) -> tuple:
 
 
 def _what_i_write(params: list[nn.Parameter], shard: Shard, state: ParallelState,
-                  zero_stage: int, kinds: tuple[str, ...]) -> Counter:
+                  replicas: list[AxisGroup], kinds: tuple[str, ...]) -> Counter:
     """The descriptions of the chunks of ``kinds`` this rank saves (``snapshot.HostSnapshot``)."""
     return Counter(_description(new_chunk(get_meta(p), kind, state.tp.rank, state.tp.size,
                                           tuple(p.shape), start, end, None))
-                   for p, start, end, _ in owned_parts(params, shard, state, zero_stage)
+                   for p, start, end, _ in owned_parts(params, shard, state, replicas)
                    for kind in kinds)
 
 
@@ -133,11 +135,12 @@ def _copy_own(directory: Path, rank: int, own: dict[str, Any], params: list[nn.P
 
 
 def _receive_copies(params: list[nn.Parameter], shard: Shard, found: dict[str, torch.Tensor],
-                    state: ParallelState, zero_stage: int) -> None:
+                    state: ParallelState, replicas: list[AxisGroup]) -> None:
     """Same layout: the pieces this rank holds but does not own, from the peer that does
-    (tied copies from the first stage, then TP replicas from TP rank 0, then, without ZeRO,
-    everything from rank 0 of dp x cp, each peer passing on what it just received). Tied weights are
-    laid out alone, so their pieces line up across stages."""
+    (tied copies from the first stage, then TP replicas from TP rank 0, then everything from
+    the first of the shard's replicas (rank 0 of dp x cp without ZeRO, the first node under
+    hybrid ZeRO-3), each peer passing on what it just received). Tied weights are laid out
+    alone, so their pieces line up across stages."""
     def pieces(keep: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
         return [t[at:at + end - start] for p in params if keep(p)
                 for start, end, at in shard.parts_of(p) for t in found.values()]
@@ -147,9 +150,9 @@ def _receive_copies(params: list[nn.Parameter], shard: Shard, found: dict[str, t
             comm.broadcast(piece, state.embedding, src_index=0)
     for piece in pieces(lambda p: get_meta(p).tp_split_dim is None):
         comm.broadcast(piece, state.tp, src_index=0)
-    if zero_stage == 0:
+    for axis in replicas:
         for t in found.values():
-            comm.broadcast(t, state.dp_cp, src_index=0)
+            comm.broadcast(t, axis, src_index=0)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from torch import nn
 from megatron3d import device as devices
 from megatron3d.checkpoint.chunks import KINDS, new_chunk, owned_parts
 from megatron3d.mpu.meta import get_meta
-from megatron3d.mpu.state import ParallelState
+from megatron3d.mpu.state import AxisGroup, ParallelState
 from megatron3d.zero.shard import Shard
 
 LiveState = Callable[[int, int], dict[str, torch.Tensor | None]]
@@ -32,8 +32,8 @@ class HostSnapshot:
     ``chunks.owned_parts`` order (the order a same-layout load expects)."""
 
     def __init__(self, params: list[nn.Parameter], shard: Shard, state: ParallelState,
-                 zero_stage: int) -> None:
-        parts = list(owned_parts(params, shard, state, zero_stage))
+                 replicas: list[AxisGroup]) -> None:
+        parts = list(owned_parts(params, shard, state, replicas))
         total = sum(end - start for _, start, end, _ in parts)
         self.device = shard.grads.device
         self._buffer = devices.host_buffer((len(KINDS), total), torch.float32)

@@ -125,7 +125,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     # CP ranks hold replicas of the weights too: ZeRO shards and averages over dp x cp
     data_parallel = build_data_parallel(params, list(engine.stage.layers), state.dp_cp,
                                         cfg.parallel, functools.partial(counted_once, state),
-                                        dev, tuple(len(chunk.layers) for chunk in engine.chunks))
+                                        dev, tuple(len(chunk.layers) for chunk in engine.chunks),
+                                        (state.dp_intra, state.dp_inter))
     engine.observers.extend(o for o in (data_parallel.observer, *given.observers)
                             if o is not None)
 
@@ -234,20 +235,22 @@ def build_engine(cfg: TrainConfig, state: ParallelState, ctx: LayerContext,
 def build_optimizer(cfg: TrainConfig, state: ParallelState, data_parallel: DataParallel,
                     params: list[nn.Parameter]) -> MixedPrecisionOptimizer:
     """The optimizer over this rank's shard (all of the stage without ZeRO). Under ZeRO the
-    gradients are spread over DP too; without it, DP ranks hold replicas that must agree
-    (DP here is dp x cp: context-parallel ranks hold replicas of the weights as well)."""
+    gradients are spread over DP too; ranks holding replicas of the shard (DP without ZeRO,
+    the other nodes under hybrid ZeRO-3) must agree (DP here is dp x cp: context-parallel
+    ranks hold replicas of the weights as well)."""
     stage = cfg.parallel.zero_stage
+    spread, copies = data_parallel.norm_axis, data_parallel.replica_axis
     optimizer = MixedPrecisionOptimizer(
         data_parallel.shard, cfg.optimizer, cfg.precision,
-        norm_axes=[state.mp, state.dp_cp] if stage else [state.mp],
-        gather_params=data_parallel.gather_params, replica_axes=[] if stage else [state.dp_cp],
+        norm_axes=[state.mp] + ([spread] if spread is not None else []),
+        gather_params=data_parallel.gather_params,
+        replica_axes=[copies] if copies is not None else [],
         count_zeros=cfg.logging.log_num_zeros_in_grad)
     logger.info(format_param_groups(optimizer.groups, cfg.optimizer.weight_decay))
     replicas = "" if state.cp.size == 1 else f" x CP={state.cp.size}"
     every_rank_logger().info(memory.report(
         f"memory (ZeRO-{stage}, DP={state.dp.size}{replicas}):",
-        memory.analytic(sum(p.numel() for p in params), params[0].element_size(), stage,
-                        state.dp_cp.size, memory.live_numel(data_parallel))))
+        memory.expected(params, stage, data_parallel)))
     predicted = layout_memory(cfg, state.world_size, data_parallel.shard.grads.device.type)
     every_rank_logger().info(format_phases(predicted[state.pp.rank], state.pp.rank,
                                            state.cp.size, cfg.parallel.cp_comm_type))

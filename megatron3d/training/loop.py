@@ -271,9 +271,7 @@ class Trainer:
     def _memory_report(self) -> None:
         model = self.model
         params = list(model.engine.stage.parameters())
-        expected = memory.analytic(sum(p.numel() for p in params), params[0].element_size(),
-                                   self.cfg.parallel.zero_stage, model.dp.size,
-                                   memory.live_numel(model.data_parallel))
+        expected = memory.expected(params, self.cfg.parallel.zero_stage, model.data_parallel)
         every_rank_logger().info(memory.report("memory after the first step:", expected,
                                                memory.measured(model.optimizer,
                                                                model.data_parallel)))

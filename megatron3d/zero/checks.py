@@ -32,6 +32,9 @@ def check_zero(parallel: ParallelConfig, world_size: int) -> None:
         raise ConfigError("--zero3-shard-group node already keeps every shard in the node; "
                           "--zero3-secondary-shard node adds a node copy to world shards: "
                           "pass one of the two")
+    if parallel.zero3_quantize_grads and parallel.grad_reduce_in_bf16:
+        raise ConfigError("--zero3-quantize-grads sends the cross-node gradients as int8 "
+                          "from fp32 (--grad-reduce-in-bf16=True): drop one of the two flags")
     if parallel.gpus_per_node and world_size % parallel.gpus_per_node:
         raise ConfigError(f"--gpus-per-node={parallel.gpus_per_node} does not divide the "
                           f"world of {world_size} ranks: give the ranks each node runs")

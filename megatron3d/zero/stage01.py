@@ -24,6 +24,7 @@ from megatron3d.zero.shard import Shard
 
 class Zero01:
     observer = None  # nothing to plan: every parameter is always resident
+    secondary_numel = 0
 
     def __init__(self, params: list[nn.Parameter], layers: list[nn.Module], dp: AxisGroup,
                  parallel: ParallelConfig, counted: Counted, wire: torch.dtype,
@@ -45,6 +46,8 @@ class Zero01:
         self.gatherer = (ParamGatherer(self.buffers, self.shard, dp,
                                        parallel.overlap_param_gather, layers)
                          if sliced else None)
+        self.norm_axis = dp if sliced else None  # ZeRO-1: the slices hold the stage once
+        self.replica_axis = None if sliced else dp  # ZeRO-0: every rank holds everything
 
     def gather_params(self) -> None:
         if self.gatherer is not None:

@@ -63,7 +63,7 @@ def _save_growth(directory: str, zero: int) -> dict:
     trainer.run()
     params = list(trainer.model.engine.stage.parameters())
     owned = sum(end - start for _, start, end, _ in owned_parts(
-        params, trainer.model.optimizer.shard, state, zero))
+        params, trainer.model.optimizer.shard, state, trainer.model.optimizer.replica_axes))
     return {"growth": measured[0].growth, "host": 12 * owned,
             "shard": trainer.model.optimizer.shard.numel}
 

@@ -67,7 +67,7 @@ class LocalSaver:
         self.wait()
         if self._snapshot is None:
             self._snapshot = HostSnapshot(self.params, self.optimizer.shard, self.state,
-                                          self.cfg.parallel.zero_stage)
+                                          self.optimizer.replica_axes)
         it = progress.iteration
         self._snapshot.capture(self.optimizer.live_state)
         payload = rank_payload(self.cfg, self.state, self._snapshot, self.rng, it)

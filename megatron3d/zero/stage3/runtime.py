@@ -1,7 +1,7 @@
 """ZeRO-3 at run time: this rank's parameter shard, the slot buffers, and the hooks that
 replay the fetch plan.
 
-Construction shards every unit: this rank keeps the r-th 1/DP of each unit's flat, padded
+Construction shards every unit: this rank keeps its 1/DP slice of each unit's flat, padded
 parameters (``Shard.local_params``; the optimizer's fp32 master shard sits beside it) and its
 fp32 gradient shard, and every parameter becomes a permanent view into its unit's slot. The
 stage is built on the meta device and each rank draws only its own ranges
@@ -15,9 +15,10 @@ with ``allreduce_fetch``: the same values), wait for it, zero a slot's gradients
 reduce-scatter them in ONE collective into the gradient shard (after each micro-batch's
 backward, or with ``reshard_after_forward`` False once per step, after the unit's last
 backward: its slot sums the micro-batches, as one process does). Nothing is decided per step:
-plans are built once per distinct program and cached. On CUDA the collectives run on the
-process group's stream and ``wait`` orders the compute stream after them; the host never
-blocks on the device.
+plans are built once per distinct program and cached. How a unit travels (one hop over
+every replica, or the node-aware modes' hops within and across nodes) is ``hops.py``'s. On
+CUDA the collectives run on the process group's stream and ``wait`` orders the compute
+stream after them; the host never blocks on the device.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import torch
 from torch import nn
 
 from megatron3d.config import ParallelConfig
-from megatron3d.mpu import comm
 from megatron3d.mpu.init import bind, fill_flat
 from megatron3d.mpu.meta import get_meta
 from megatron3d.mpu.state import AxisGroup
@@ -36,6 +36,7 @@ from megatron3d.pipeline.instructions import Backward
 from megatron3d.zero.layout import Counted, FlatLayout
 from megatron3d.zero.shard import Shard
 from megatron3d.zero.stage3 import plan
+from megatron3d.zero.stage3.hops import build_hops
 from megatron3d.zero.stage3.slots import Slot
 from megatron3d.zero.stage3.units import stage_units
 
@@ -43,22 +44,26 @@ from megatron3d.zero.stage3.units import stage_units
 class Zero3:
     def __init__(self, layers: list[nn.Module], dp: AxisGroup, parallel: ParallelConfig,
                  counted: Counted, wire: torch.dtype, device: torch.device,
-                 chunk_sizes: tuple[int, ...]) -> None:
+                 chunk_sizes: tuple[int, ...],
+                 nodes: tuple[AxisGroup, AxisGroup] | None = None) -> None:
         """``chunk_sizes``: how many of ``layers`` (in order) each model chunk holds; a
-        ``Forward``/``Backward`` of chunk c runs only its layers (interleaving)."""
+        ``Forward``/``Backward`` of chunk c runs only its layers (interleaving). ``nodes``:
+        ``dp`` cut by node, (dp_intra, dp_inter), for the node-aware modes (``hops.py``)."""
         self.dp = dp
         self.chunk_sizes = chunk_sizes
         self.units = stage_units(layers)
         groups = self.units.groups
-        self.layout = FlatLayout([list(g) for g in groups], counted, dp.size)
+        self.hops = build_hops(parallel, dp, nodes)
+        ways = self.hops.shard_axis.size
+        self.layout = FlatLayout([list(g) for g in groups], counted, self.hops.align)
         dtype = groups[0][0].dtype
-        self.shard = Shard.sliced(self.layout, dp.rank, dp.size, None, dtype, device)
-        self.allreduce_fetch = parallel.zero3_allreduce_fetch
+        self.shard = Shard.sliced(self.layout, self.hops.slice_index, ways, None, dtype, device)
         self.depth = parallel.zero3_prefetch_depth
         self.pinned = self.units.tied if parallel.reshard_after_forward else frozenset(
             range(len(groups)))
         self.accumulate = frozenset() if parallel.reshard_after_forward else self.pinned
         self.slot_of = _assign_slots(len(groups), self.pinned, parallel.live_units)
+        self.hops.attach(self.layout, dtype, device, self.slot_of)
         self.slots = self._allocate(dtype, wire, device)
         self._shard_and_bind()
         self._plans: dict[tuple, plan.Plan] = {}
@@ -66,6 +71,7 @@ class Zero3:
         self._cursor = 0
         self._gathers: dict[int, object] = {}
         self._remaining = [0] * len(groups)
+        self._advancing: list[Slot] = []  # reductions whose next hop posts at the next point
         self._ops: dict[str, Callable[[int], None]] = {
             plan.GATHER: self._gather, plan.WAIT: self._wait, plan.RELEASE: self._release,
             plan.GRADS: self._zero_grads, plan.REDUCE: self._reduce}
@@ -118,6 +124,7 @@ class Zero3:
 
     def end(self) -> None:
         self._at(("end",))
+        self._advancing.clear()
         for slot in self.slots:
             slot.drain()
         self._plan = None
@@ -133,6 +140,9 @@ class Zero3:
             raise RuntimeError(f"ZeRO-3 plan out of step: expected {point.trigger}, got "
                                f"{trigger}; this is a bug")
         self._cursor += 1
+        for slot in self._advancing:
+            slot.advance()
+        self._advancing.clear()
         for op in point.ops:
             self._ops[op.kind](op.unit)
 
@@ -154,15 +164,9 @@ class Zero3:
         assert slot.occupant is None, f"unit {unit}: slot still holds unit {slot.occupant}"
         slot.occupant = unit
         piece = self.shard.pieces[unit]
-        n = piece.end - piece.start
-        mine = self.shard.local_params[piece.local:piece.local + n]
-        full = slot.params[:n * self.dp.size]
-        if self.allreduce_fetch and self.dp.size > 1:
-            full.zero_()
-            full[self.dp.rank * n:(self.dp.rank + 1) * n].copy_(mine)
-            self._gathers[unit] = comm.start_all_reduce(full, self.dp, ("unit", unit))
-        else:
-            self._gathers[unit] = comm.start_all_gather_into(full, mine, self.dp, ("unit", unit))
+        mine = self.shard.local_params[piece.local:piece.local + piece.end - piece.start]
+        full = slot.params[:self.layout.buckets[unit].numel]
+        self._gathers[unit] = self.hops.gather(unit, full, mine)
 
     def _wait(self, unit: int) -> None:
         work = self._gathers.pop(unit)
@@ -184,8 +188,11 @@ class Zero3:
                                "arrived; this is a bug")
         piece = self.shard.pieces[unit]
         n = piece.end - piece.start
-        self.slots[self.slot_of[unit]].reduce_scatter(
-            n * self.dp.size, self.shard.grads[piece.local:piece.local + n], self.dp)
+        slot = self.slots[self.slot_of[unit]]
+        slot.reduce_scatter(unit, self.layout.buckets[unit].numel,
+                            self.shard.grads[piece.local:piece.local + n], self.hops)
+        if self.hops.levels > 1:
+            self._advancing.append(slot)
 
     # -- the data-parallel interface (zero/factory.py) ------------------------------------
 
@@ -193,14 +200,32 @@ class Zero3:
     def observer(self) -> Zero3:
         return self
 
+    @property
+    def norm_axis(self) -> AxisGroup:
+        """The ranks whose shards together hold the stage once (the grad norm's DP axis)."""
+        return self.hops.shard_axis
+
+    @property
+    def replica_axis(self) -> AxisGroup | None:
+        """The ranks holding this rank's shard too (hybrid: the other nodes), or None."""
+        return self.hops.replica_axis
+
+    @property
+    def secondary_numel(self) -> int:
+        """Elements of the secondary shard's buffer (0 without one)."""
+        return self.hops.secondary_numel
+
     def gather_params(self) -> None:
-        """Nothing after the step: units are gathered from the shards when they next run."""
+        """Nothing is gathered after the step: units are gathered from the shards when they
+        next run; a kept copy of the weights (the secondary shard) is out of date."""
+        self.hops.stale()
 
     def before_last_backward(self, chunk: int) -> None:
         """Nothing: the plan says when each unit's gradients are reduce-scattered."""
 
     def finish(self) -> None:
-        """Nothing: the program's end already completed every reduction."""
+        """The program's end already completed every reduction; hybrid sums the nodes'."""
+        self.hops.finish(self.shard.grads)
 
     def flush(self) -> None:
         """Nothing in flight between programs."""
@@ -221,8 +246,11 @@ class Zero3:
             self._release(unit)
 
     def resident_bytes(self) -> tuple[int, int]:
-        """(parameter bytes, gradient bytes) held now: shards plus slot buffers."""
-        params = self.shard.local_params.nbytes + sum(s.params.nbytes for s in self.slots)
+        """(parameter bytes, gradient bytes) held now: shards, slot buffers and the
+        secondary shard."""
+        shard = self.shard.local_params
+        params = (shard.nbytes + self.hops.secondary_numel * shard.element_size()
+                  + self.hops.wire_bytes + sum(s.params.nbytes for s in self.slots))
         grads = self.shard.grads.nbytes + sum(s.nbytes() - s.params.nbytes for s in self.slots)
         return params, grads
 

@@ -3,7 +3,8 @@
 A slot holds one full unit at a time: its parameters (model dtype) and their gradients (fp32,
 accumulated by autograd or by the gradient hook; with a bf16 wire, a bf16 copy to send). The
 reduce-scatter is in place: this rank's 1/DP of the sum lands in its own chunk of the buffer
-sent (NCCL's in-place form), so no output buffer exists. Parameters are permanent views into
+sent (NCCL's in-place form), so no output buffer exists; with two levels (``hops.py``) the
+second reduces that chunk in place again. Parameters are permanent views into
 their unit's slot,
 so a unit that is gathered again into the same slot is exactly where the tensors autograd
 saved in forward expect it; no copy in or out is ever needed.
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron3d.mpu import comm
-from megatron3d.mpu.state import AxisGroup
+from megatron3d.zero.stage3.hops import Flat
 
 
 class Slot:
@@ -31,20 +31,25 @@ class Slot:
         extra = 0 if self.wire is None else self.wire.nbytes
         return self.params.nbytes + self.grads.nbytes + extra
 
-    def reduce_scatter(self, numel: int, into: torch.Tensor, dp: AxisGroup) -> None:
-        """Average this slot's first ``numel`` gradients over DP; this rank's 1/DP is added
-        into ``into`` once the collective completes (``drain``). The gradients (or their wire
-        copy) are overwritten: the sum lands in this rank's chunk of them."""
+    def reduce_scatter(self, unit: int, numel: int, into: torch.Tensor, hops: Flat) -> None:
+        """Average unit ``unit``'s gradients, this slot's first ``numel`` (the unit may
+        already be released), over DP as ``hops`` travels them;
+        this rank's 1/DP is added into ``into`` once the collectives complete (``drain``).
+        The gradients (or their wire copy) are overwritten: the sum lands in this rank's
+        chunk of them."""
         self.drain()
         grads = self.grads[:numel]
-        grads.div_(dp.size)
+        grads.div_(hops.dp.size)
         if self.wire is not None:
             self.wire[:numel].copy_(grads)
             grads = self.wire[:numel]
-        chunk = numel // dp.size
-        out = grads[dp.rank * chunk:(dp.rank + 1) * chunk]
-        self._pending = (comm.start_reduce_scatter(out, grads, dp, ("unit", self.occupant)),
-                         out, into)
+        work, out = hops.reduce(unit, grads)
+        self._pending = (work, out, into)
+
+    def advance(self) -> None:
+        """Post the pending reduction's next hop (``hops.Chain``), its first completed."""
+        if self._pending is not None:
+            self._pending[0].advance()
 
     def drain(self) -> None:
         """Finish the pending reduction (before the gradient buffer is reused, and at the end
