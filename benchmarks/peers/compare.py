@@ -15,6 +15,7 @@ a row that ran disagrees with the megatron3d single-process losses.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -68,6 +69,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "--link-rate (the reference runs as a single process); needs root")
     p.add_argument("--link-rate", default="2gbit", metavar="RATE",
                    help="with --emulated-nodes: each node's link rate, tc's units")
+    p.add_argument("--batch", type=int, nargs=2, metavar=("GLOBAL", "MICRO"), default=None,
+                   help="global and micro-batch size instead of the config's (fewer tokens "
+                   "per rank: a step bound by communication, as ZeRO-3 across nodes is)")
     p.add_argument("--profile", action="store_true", help="every rank writes the profiler's "
                    "table of one warm-up step (profile_rank{N}.txt in its row's directory)")
     p.add_argument("--write-readme", action="store_true", help="write the report into "
@@ -96,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> int:
     cfg = build_config(args.quick)
+    if args.batch:
+        cfg = dataclasses.replace(cfg, global_batch_size=args.batch[0],
+                                  micro_batch_size=args.batch[1])
     cfg.to_json(run_dir / "config.json")
     save_batches(cfg, run_dir / "batches.pt")
     wanted = args.only.split(",")
@@ -127,9 +134,7 @@ def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> in
         _write_readme(args, argv, cfg, header, report, modes)
     bad = [f"{label} ({title})" for title, results in modes
            for label in disagreeing(results, cfg.warmup_steps)]
-    if bad:
-        sys.stdout.write(f"\nloss differs by {LOSS_TOLERANCE:g} or more: {', '.join(bad)}\n")
-    return 1 if bad else 0
+    return _verdict(bad)
 
 
 def _on_nodes(args: argparse.Namespace, cfg: PeerConfig, rows: list[Row], run_dir: Path) -> int:
@@ -148,9 +153,7 @@ def _on_nodes(args: argparse.Namespace, cfg: PeerConfig, rows: list[Row], run_di
         return 1
     sys.stdout.write(f"\n{_mode_report((title, results), cfg)}\n")
     bad = disagreeing(results, cfg.warmup_steps)
-    if bad:
-        sys.stdout.write(f"\nloss differs by {LOSS_TOLERANCE:g} or more: {', '.join(bad)}\n")
-    return 1 if bad else 0
+    return _verdict(bad)
 
 
 def _mode_report(mode: tuple[str, list[RowResult]], cfg: PeerConfig) -> str:
@@ -201,5 +204,13 @@ def _run_rows(args: argparse.Namespace, rows: list[Row], run_dir: Path, prefix: 
     return [r for r in results if r is not None]
 
 
+def _verdict(bad: list[str]) -> int:
+    """Print the rows whose losses disagree with the reference; the exit code."""
+    if bad:
+        sys.stdout.write(f"\nloss differs by {LOSS_TOLERANCE:g} or more: {', '.join(bad)}\n")
+    return 1 if bad else 0
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -12,6 +12,7 @@ from benchmarks.peers.runner import RowResult
 
 LOSS_TOLERANCE = 1e-4
 """fp32, same weights and batches, 10 steps: reordered reductions stay far below this."""
+
 _MIB = 2**20
 
 
@@ -52,10 +53,19 @@ def summarise(result: RowResult, reference: RowResult, warmup: int) -> Summary:
 
 def disagreeing(results: Sequence[RowResult], warmup: int) -> list[str]:
     """Labels of rows that ran and whose losses differ from the reference's beyond the
-    tolerance."""
+    tolerance. Rows sending int8 collectives are not held to it: over 10 steps Adam turns
+    the rounding of small gradients into steps of full size (1.2% on the loss at 4
+    sequences a step), and their bound is issue #34's, within 1% after 300 steps
+    (``benchmarks/zero3_quantized.py``)."""
     reference = _reference(results)
     return [f"{r.row.label} {r.row.layout}" for r in results
-            if r.ran and summarise(r, reference, warmup).loss_diff >= LOSS_TOLERANCE]
+            if r.ran and not quantized(r.row.options)
+            and summarise(r, reference, warmup).loss_diff >= LOSS_TOLERANCE]
+
+
+def quantized(options: tuple[tuple[str, str], ...]) -> bool:
+    """Whether a row's collectives travel as int8 (its losses then differ by design)."""
+    return any(name.startswith("zero3-quantize") for name, _ in options)
 
 
 def summarise_all(results: Sequence[RowResult], warmup: int) -> dict[int, Summary]:

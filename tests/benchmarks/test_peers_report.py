@@ -76,6 +76,17 @@ def test_repeated_runs_pool_their_times_and_every_run_is_loss_checked():
     assert _run(DDP, 0.5).add_run(failed).reason == "timed out"
 
 
+def test_int8_rows_are_not_held_to_the_fp32_agreement():
+    """Their bound is the 300-step benchmark's; an fp32 row off by as much is flagged."""
+    reference = _run(REFERENCE, 1.0)
+    int8 = Row(framework="megatron3d", variant="ZeRO-3 int8", dp=2,
+               options=(("zero", "3"), ("zero3-quantize-grads", "1")), baseline="ZeRO-3")
+    fp32 = Row(framework="megatron3d", variant="ZeRO-3", dp=2, options=(("zero", "3"),))
+    off = [7.0, 6.5, 6.01]
+    assert disagreeing([reference, _run(int8, 0.5, off), _run(fp32, 0.5, off)],
+                       warmup=1) == ["megatron3d ZeRO-3 (1,1,2)"]
+
+
 def test_ratios_pair_the_runs_of_one_round():
     """The machine's speed drifts between rounds: round 1 ran everything slowly, and in
     round 2 the peer was slower than megatron3d. Paired, the rounds say 0.55 and 1.8;
