@@ -90,7 +90,9 @@ def launch(script: str, args: list[str], world_size: int, workdir: Path,
                "PYTHONPATH": str(ROOT)}
     logs = [workdir / f"rank-{rank}.log" for rank in range(world_size)]
     if preexec is None:
-        return Job(forked_ranks.start(ROOT / script, args, world_size, workdir, job_env), logs)
+        started = time.monotonic()  # a job's time counts its ranks' start, as before
+        return Job(forked_ranks.start(ROOT / script, args, world_size, workdir, job_env), logs,
+                   started)
     procs = []
     for rank, log in enumerate(logs):
         with open(log, "w") as out:
