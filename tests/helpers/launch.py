@@ -1,10 +1,12 @@
 """Start N ranks of a script the way torchrun does, and tear them down the way it does.
 
 For end-to-end tests that need what the spawn helper cannot give: real process exits, exit
-codes and signals. Each rank is a ``python SCRIPT ARGS`` process with torchrun's environment
-variables; when one exits non-zero, the others get ``teardown_s`` seconds and are then killed
-(torchrun sends SIGTERM and waits 30 s; here the survivors are killed outright, which also
-removes a process frozen with SIGSTOP).
+codes and signals. Each rank is a process running ``SCRIPT ARGS`` as ``python`` would, with
+torchrun's environment variables; when one exits non-zero, the others get ``teardown_s``
+seconds and are then killed (torchrun sends SIGTERM and waits 30 s; here the survivors are
+killed outright, which also removes a process frozen with SIGSTOP). The ranks are forked from
+one process that imported torch for all of them (``rank_zygote.py``: a rank's start is mostly
+that import); with ``preexec`` each is its own ``python`` instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.helpers import forked_ranks
+from tests.helpers.forked_ranks import ForkedRank
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,7 +35,7 @@ def _free_port() -> int:
 
 @dataclass
 class Job:
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen] | list[ForkedRank]
     logs: list[Path]
     started: float = field(default_factory=time.monotonic)
     exit_codes: list[int | None] = field(default_factory=list)
@@ -79,16 +84,20 @@ def launch(script: str, args: list[str], world_size: int, workdir: Path,
     """Start ``world_size`` ranks of ``python script args``; output goes to workdir/rank-R.log.
     ``preexec`` runs in each child before the script (e.g. to set a resource limit)."""
     port = _free_port()
-    procs, logs = [], []
-    for rank in range(world_size):
-        rank_env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                    "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        log = workdir / f"rank-{rank}.log"
-        logs.append(log)
+    job_env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+               "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(ROOT)}
+    logs = [workdir / f"rank-{rank}.log" for rank in range(world_size)]
+    if preexec is None:
+        started = time.monotonic()  # a job's time counts its ranks' start, as before
+        return Job(forked_ranks.start(ROOT / script, args, world_size, workdir, job_env), logs,
+                   started)
+    procs = []
+    for rank, log in enumerate(logs):
         with open(log, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args],
-                                          cwd=workdir, env=rank_env, stdout=out,
-                                          stderr=subprocess.STDOUT, preexec_fn=preexec))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / script), *args], cwd=workdir, stdout=out,
+                env={**job_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stderr=subprocess.STDOUT, preexec_fn=preexec))
     return Job(procs, logs)

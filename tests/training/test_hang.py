@@ -7,10 +7,10 @@ outside by ``tests/helpers/faulty_run.py``) through a torchrun-like launcher.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +18,8 @@ import pytest
 
 from megatron3d.resilience.hang_dump import read_dump
 from megatron3d.resilience.watchdog import HANG_EXIT_CODE
-from tests.helpers.launch import ROOT, Job, launch
+from megatron3d.tools import hang_report
+from tests.helpers.launch import Job, launch
 
 HANG_TIMEOUT = 4.0
 WORLD = 4
@@ -44,9 +45,12 @@ def _run(tmp_path: Path, fault: str, rank: int, iters: int = 40, extra: dict | N
 
 
 def _report(dump_dir: Path) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "tools/hang_report.py"), str(dump_dir)],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
-    return out.stdout
+    """tools/hang_report.py's output, from its main in this process (its command line is
+    tests/test_tools.py's; a process of its own would only import torch again)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert hang_report.main([str(dump_dir)]) == 0
+    return out.getvalue()
 
 
 def _culprits(report: str) -> list[str]:
