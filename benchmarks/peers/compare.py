@@ -72,6 +72,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, nargs=2, metavar=("GLOBAL", "MICRO"), default=None,
                    help="global and micro-batch size instead of the config's (fewer tokens "
                    "per rank: a step bound by communication, as ZeRO-3 across nodes is)")
+    p.add_argument("--seq-length", type=int, default=None, metavar="N",
+                   help="tokens per sequence instead of the config's (likewise)")
     p.add_argument("--profile", action="store_true", help="every rank writes the profiler's "
                    "table of one warm-up step (profile_rank{N}.txt in its row's directory)")
     p.add_argument("--write-readme", action="store_true", help="write the report into "
@@ -103,6 +105,8 @@ def _compare(args: argparse.Namespace, run_dir: Path, argv: Sequence[str]) -> in
     if args.batch:
         cfg = dataclasses.replace(cfg, global_batch_size=args.batch[0],
                                   micro_batch_size=args.batch[1])
+    if args.seq_length:
+        cfg = dataclasses.replace(cfg, seq_length=args.seq_length)
     cfg.to_json(run_dir / "config.json")
     save_batches(cfg, run_dir / "batches.pt")
     wanted = args.only.split(",")
