@@ -328,31 +328,11 @@ def test_train_then_resume(slurm: Cluster, tmp_path: Path) -> None:
     _assert_no_workers_left(tmp_path)
 
 
-def test_scancel_sigterm_saves(slurm: Cluster, tmp_path: Path) -> None:
-    """Preemption and scancel send SIGTERM everywhere: torchrun forwards it, the ranks save."""
+def test_usr1_to_batch_saves_requeues_and_resumes(slurm: Cluster, tmp_path: Path) -> None:
+    """The time-limit warning's path: SIGUSR1 to the batch shell (what --signal=B:USR1 does)."""
     job_id = slurm.submit(tmp_path, train_iters=NEVER, save_interval=NEVER)
     slurm.wait_for_log(job_id, lambda runs: runs and _iterations(runs[0]))
-    slurm.scancel(str(job_id))
-    job = slurm.wait_done(job_id)
-    log = slurm.log(job_id)
-    assert job["JobState"] == "CANCELLED", log[-3000:]
-    stopped = STOPPING.search(log)
-    assert stopped and SAVED.findall(log) == [stopped[1]], log[-3000:]
-    assert io.read_latest(tmp_path) == int(stopped[1])
-    _assert_no_workers_left(tmp_path)
-
-
-def test_time_limit_warning_saves_requeues_and_resumes(slurm: Cluster, tmp_path: Path) -> None:
-    """Slurm's own timer: a 1-minute job with --signal=B:USR1@45 is warned at most 15 s in
-    (Slurm may send it up to 60 s early, possibly before the workers can take it: launch.sh
-    repeats it), saves, is requeued and resumes. (Slurm sends the warning to the batch shell
-    exactly as ``scancel --signal=USR1 --batch`` does by hand: one path.) Then SIGUSR1 to the
-    job steps only saves and stops without a requeue, and the job ends COMPLETED; the resumed
-    run's limit is lifted first, or its own warning would requeue it again."""
-    job_id = slurm.submit(tmp_path, NEVER, NEVER, "--time=1", "--signal=B:USR1@45")
-    slurm.wait_for_log(job_id, lambda runs: runs and "asking the workers to save" in runs[0])
-    lifted = slurm.slurm.client("scontrol", "update", f"JobId={job_id}", "TimeLimit=30")
-    assert lifted.returncode == 0, lifted.stderr
+    slurm.scancel("--signal=USR1", "--batch", str(job_id))
     # The first run saves and requeues; the second resumes from that checkpoint and trains.
     slurm.wait_for_log(job_id, lambda runs: len(runs) == 2 and _iterations(runs[1]))
     first, second = slurm.runs(job_id)
@@ -372,6 +352,36 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm: Cluster, tmp_path:
     assert again and int(again[1]) > int(stopped[1]), second[-3000:]
     assert io.read_latest(tmp_path) == int(again[1])
     assert "requeueing job" not in second
+    _assert_no_workers_left(tmp_path)
+
+
+def test_scancel_sigterm_saves(slurm: Cluster, tmp_path: Path) -> None:
+    """Preemption and scancel send SIGTERM everywhere: torchrun forwards it, the ranks save."""
+    job_id = slurm.submit(tmp_path, train_iters=NEVER, save_interval=NEVER)
+    slurm.wait_for_log(job_id, lambda runs: runs and _iterations(runs[0]))
+    slurm.scancel(str(job_id))
+    job = slurm.wait_done(job_id)
+    log = slurm.log(job_id)
+    assert job["JobState"] == "CANCELLED", log[-3000:]
+    stopped = STOPPING.search(log)
+    assert stopped and SAVED.findall(log) == [stopped[1]], log[-3000:]
+    assert io.read_latest(tmp_path) == int(stopped[1])
+    _assert_no_workers_left(tmp_path)
+
+
+def test_time_limit_warning_saves_requeues_and_resumes(slurm: Cluster, tmp_path: Path) -> None:
+    """Slurm's own timer: a 1-minute job with --signal=B:USR1@45 is warned at most 15 s in
+    (Slurm may send it up to 60 s early, possibly before the workers can take it: launch.sh
+    repeats it), saves, is requeued and resumes."""
+    job_id = slurm.submit(tmp_path, NEVER, NEVER, "--time=1", "--signal=B:USR1@45")
+    slurm.wait_for_log(job_id, lambda runs: len(runs) == 2 and _iterations(runs[1]))
+    slurm.scancel(str(job_id))  # the second run would be warned and requeued again
+    slurm.wait_done(job_id)
+    first, second = slurm.runs(job_id)[:2]
+    stopped = STOPPING.search(first)
+    assert stopped and "requeueing job" in first, first[-3000:]
+    loaded = LOADED.search(second)
+    assert loaded and loaded[2] == stopped[1], second[-3000:]
     _assert_no_workers_left(tmp_path)
 
 
