@@ -191,7 +191,7 @@ def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
     if _in_place(axis):
         chunk = t[axis.rank * out.numel():(axis.rank + 1) * out.numel()]
         work = _posted(dist.all_reduce(t, group=axis.group, async_op=True))
-        return work if out.data_ptr() == chunk.data_ptr() else _Then(work,
+        return work if out.data_ptr() == chunk.data_ptr() else Then(work,
                                                                     lambda: out.copy_(chunk))
     return _posted(_reduce_scatter_single(out, t, group=axis.group, async_op=True))
 
@@ -242,7 +242,7 @@ def start_all_to_all_into(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
         every[axis.rank].copy_(t)
         work = _posted(dist.all_reduce(every, group=axis.group, async_op=True))
         parts = every.view(axis.size, axis.size, -1)  # [from, to, part]
-        return _Then(work, lambda: out.view(axis.size, -1).copy_(parts[:, axis.rank]))
+        return Then(work, lambda: out.view(axis.size, -1).copy_(parts[:, axis.rank]))
     return _posted(dist.all_to_all_single(out, t, group=axis.group, async_op=True))
 
 
@@ -266,14 +266,16 @@ def _in_place(axis: AxisGroup) -> bool:
     return dist.get_backend(axis.group) == "gloo"
 
 
-class _Then:
-    """A posted collective, and what to do on the host once it is done."""
+class Then:
+    """A posted collective (or None: nothing in flight), and what to do once it is done (on
+    CUDA, queued on the compute stream the wait orders after it)."""
 
-    def __init__(self, work: Work, then: Callable[[], object]) -> None:
+    def __init__(self, work: Work | None, then: Callable[[], object]) -> None:
         self._work, self._then = work, then
 
     def wait(self) -> None:
-        self._work.wait()
+        if self._work is not None:
+            self._work.wait()
         self._then()
 
 

@@ -101,11 +101,6 @@ class CommCounter:
         return f"CommCounter(bytes={dict(self.bytes)}, calls={dict(self.calls)})"
 
 
-_PER_MEMBER = {"all_gather": 1, "reduce_scatter": 0, "all_to_all": 0, "all_reduce": 0}
-"""Per collective kind: 1 when each member sends its whole tensor (an all-gather's chunk),
-0 when it sends 1/size of it (to each member, or twice over for an all-reduce)."""
-
-
 class CrossNodeCounter:
     """Bytes this rank receives from ranks on other nodes, per axis name, under each
     operation's logical algorithm (whatever the backend does underneath: gloo builds
@@ -131,12 +126,17 @@ class CrossNodeCounter:
             if peer is not None and peer // self._per_node != self._node:
                 self.bytes[axis.name] += size
             return
-        if kind not in _PER_MEMBER:  # a send (counted where it arrives), a barrier
+        if kind == "all_gather":
+            share = size  # each member's chunk
+        elif kind in ("reduce_scatter", "all_to_all"):
+            share = size // axis.size
+        elif kind == "all_reduce":
+            share = 2 * (size // axis.size)
+        else:  # a send (counted where it arrives), a barrier
             return
         elsewhere = sum(1 for r in axis.ranks if r // self._per_node != self._node)
         if elsewhere:
-            share = size if _PER_MEMBER[kind] else size // axis.size
-            self.bytes[axis.name] += (2 if kind == "all_reduce" else 1) * share * elsewhere
+            self.bytes[axis.name] += share * elsewhere
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())

@@ -23,7 +23,6 @@ after the collective (on CUDA, on the compute stream ``wait`` orders after it).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -149,7 +148,7 @@ def start_all_gather(out: torch.Tensor, mine: torch.Tensor, axis: AxisGroup,
     work = comm.start_all_gather_into(wire.received[:axis.size * record], wire.sent[:record],
                                       axis, tag, least_bytes=True)
     got_scales, got_q = wire.records(wire.received, axis.size, n)
-    return _Then(work, lambda: decode(got_q, got_scales, out.view(axis.size, n), wire.block))
+    return comm.Then(work, lambda: decode(got_q, got_scales, out.view(axis.size, n), wire.block))
 
 
 def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
@@ -175,7 +174,7 @@ def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, axis: AxisGroup,
             encode(rows[lo:hi], scales[lo:hi], q[lo:hi], wire.block)
     size = axis.size * wire.record_bytes(n)
     work = comm.start_all_to_all_into(wire.received[:size], wire.sent[:size], axis, tag)
-    return _Then(work, lambda: _sum_in_rank_order(out, rows, me, wire))
+    return comm.Then(work, lambda: _sum_in_rank_order(out, rows, me, wire))
 
 
 def _sum_in_rank_order(out: torch.Tensor, rows: torch.Tensor, me: int,
@@ -196,14 +195,3 @@ def _sum_in_rank_order(out: torch.Tensor, rows: torch.Tensor, me: int,
     for r in range(me + 1, size):
         out.add_(rows[r])
 
-
-class _Then:
-    """A posted collective and the decoding queued once it is done."""
-
-    def __init__(self, work: comm.Work | None, then: Callable[[], None]) -> None:
-        self._work, self._then = work, then
-
-    def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-        self._then()

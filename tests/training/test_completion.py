@@ -92,7 +92,7 @@ def _every_kind(coalesce: bool) -> list[list[tuple[str, bool]]]:
         comm.any_rank(False, axis, torch.device("cpu"))
         comm.start_all_reduce(X.clone(), axis).wait()
         flat = torch.arange(4.0)
-        comm.start_reduce_scatter(torch.zeros(2), flat, axis).wait()  # gloo: _Then
+        comm.start_reduce_scatter(torch.zeros(2), flat, axis).wait()  # gloo: comm.Then
         comm.start_all_gather_into(torch.zeros(8), X.clone(), axis).wait()
         works = comm.start_exchange([(X.clone(), 1 - rank)], [(torch.empty(4), 1 - rank)],
                                     axis)

@@ -13,7 +13,6 @@ nodes) to the next rank.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron3d.checkpoint.local.priority import made_below_training
+from megatron3d.mpu.state import ranks_per_node
 
 _SIZE = torch.int64
 MAX_FRAMES = 8  # parts of one message: a header and a copy's few files
@@ -46,19 +46,13 @@ def _step(world_size: int, local_world_size: int) -> int:
     return local_world_size if several_nodes else 1
 
 
-def local_world_size(world_size: int) -> int:
-    """Ranks per node, from torchrun's environment (the whole world when not launched)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if value.isdigit() and int(value) > 0 else world_size
-
-
 class PeerLink:
     """This rank's end of the local-checkpoint group: frames to and from other ranks, and the
     small agreements of a restore. Every method is a call all named ranks make."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
-        nodes = local_world_size(world_size)
+        nodes = ranks_per_node(0, world_size)  # torchrun's, else one node
         self.peer = peer_of(rank, world_size, nodes)
         self.source = source_of(rank, world_size, nodes)
         self.group = (made_below_training(lambda: dist.new_group(backend="gloo"))
