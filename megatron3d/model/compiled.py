@@ -1,0 +1,69 @@
+"""``--compile``: each transformer layer's computation through ``torch.compile`` (inductor).
+
+What is compiled is ``TransformerLayer._block``, the layer's arithmetic, not the module: the
+module's forward stays eager around it, with ZeRO-3's pre/post hooks and the hook on its
+output, torch's checkpoint under full recompute, and the pipeline engine's calls. The
+embedding and the head stay eager.
+
+Some calls must not be traced; they run eagerly (``eager``) and the layer is compiled as the
+regions between them:
+
+- tensor- and sequence-parallel collectives (``mpu/mappings.py``): every collective goes
+  through ``mpu/comm.py`` (the traffic observers and flight recorder, gloo's staging of
+  device tensors), which dynamo's functional collectives would bypass;
+- a switch of dropout stream (``LayerContext.on_tp_stream``): a stream is the device's
+  default generator swapped on the host, which dynamo cannot trace. Inductor draws a graph's
+  random numbers from the default generator, so at TP = 1, where no other rank's masks need
+  to differ, attention dropout draws from the default stream and needs no switch;
+- context-parallel attention (its exchanges are collectives).
+
+At TP = 1 without CP a layer is therefore one graph, with no break (``tests/model/
+test_compile.py`` asks ``torch._dynamo.explain``). Masks come from the saved generator states
+(the graph draws its seeds from the default generator), so a compiled run resumes bitwise;
+they are not eager's masks (``torch._inductor.config.fallback_random`` would make them so, by
+giving up fused random numbers). Shapes are static: a layer sees [s, b, h] with b the
+micro-batch size, which batch-size rampup never changes (it changes how many micro-batches a
+step runs), so nothing recompiles during a run; evaluation (no grad, eval mode) compiles once
+more. Layers of one stage share their graphs: dynamo takes a module's parameters as inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def compiled(fn: F) -> F:
+    """``fn`` compiled by inductor with static shapes (see the module docstring)."""
+    return torch.compile(fn, dynamic=False)
+
+
+def eager(fn: F) -> F:
+    """``fn`` runs eagerly inside compiled code: a boundary between compiled regions."""
+    return torch.compiler.disable(fn)
+
+
+def cache_dir(given: str | None, save: str | None) -> str | None:
+    """Where compiled artefacts go: ``--compile-cache-dir``, else TORCHINDUCTOR_CACHE_DIR, else
+    SAVE/compile-cache, else None (torch's temporary default)."""
+    if given:
+        return given
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    return str(Path(save) / "compile-cache") if save else None
+
+
+def use_cache_dir(path: str | None) -> None:
+    """Point inductor's caches (kernels, FX and AOT graphs) at ``path``; inductor reads the
+    variable whenever it looks a cache up, so this holds from the first compile on."""
+    if path is not None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        os.environ[CACHE_ENV] = path
