@@ -27,8 +27,13 @@ from megatron3d.model.grouped_attention import attention
 from megatron3d.model.positional import apply_rotary, rotary_tables
 from megatron3d.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
-_context_attention = eager(context_attention)  # its exchanges stay eager under --compile
 _checkpoint = eager(checkpoint)  # around a switch of dropout stream, which stays eager
+
+
+@eager
+def _context_attention(*args: object) -> torch.Tensor:
+    """``context_attention``, eager under --compile: its exchanges are collectives."""
+    return context_attention(*args)
 
 
 class SelfAttention(nn.Module):
