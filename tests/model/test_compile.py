@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 
 import pytest
@@ -19,6 +20,7 @@ import torch._dynamo as dynamo
 from torch._dynamo.utils import counters
 
 from megatron3d.model.transformer import TransformerLayer
+from megatron3d.mpu import traffic
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup, ParallelState
 from megatron3d.training.build import Overrides
@@ -50,8 +52,8 @@ LAYOUTS = {  # flavour, extra flags, world size
 
 def _layer(flavour: str, tp: AxisGroup | None = None, sequence_parallel: bool = False,
            **changes) -> TransformerLayer:
-    cfg = model_config(flavour, hidden_dropout=0.1, attention_dropout=0.1, compile=True,
-                       **changes)
+    cfg = model_config(flavour, **{"hidden_dropout": 0.1, "attention_dropout": 0.1,
+                                   "compile": True, **changes})
     rank = tp.rank if tp else 0
     ctx = dataclasses.replace(layer_context(cfg, tp=tp), sequence_parallel=sequence_parallel,
                               rng=RNGStreams.create(1, rank, 0, torch.device("cpu")))
@@ -71,19 +73,33 @@ def test_a_layer_is_one_graph_at_tp1(flavour, recompute):
     assert explained.graph_count == 1
 
 
-def _explain_tp2(sequence_parallel: bool) -> list[str]:
-    layer = _layer("gpt2", ParallelState.build(2, 1).tp, sequence_parallel=sequence_parallel)
+def _tp2(sequence_parallel: bool) -> tuple[set[str], list[dict], list[dict]]:
+    """The functions a compiled layer breaks at, and what ``comm`` was told of two forward
+    and backward passes of the compiled layer and of the same passes eager."""
+    tp = ParallelState.build(2, 1).tp
+    compiled, eager = (_layer("gpt2", tp, sequence_parallel, compile=c) for c in (True, False))
     x = torch.randn(8 if sequence_parallel else 16, 2, 32, requires_grad=True)
-    return [str(b.reason) for b in dynamo.explain(layer._block)(x, None).break_reasons]
+    reasons = dynamo.explain(compiled._block)(x, None).break_reasons
+    told = []
+    for layer in (compiled, eager):
+        with traffic.observing(traffic.CommCounter()) as counter:
+            for _ in range(2):
+                layer(x).sum().backward()
+        told.append(dict(counter.calls))
+    return {re.search(r"function `<function (\w+)", str(r.reason))[1] for r in reasons}, *told
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_under_tp_a_layer_breaks_only_at_its_collectives(sequence_parallel):
     """Each break is a call run eagerly on purpose (``torch.compiler.disable``): the
-    collectives, and the TP dropout stream's switch around attention (and SP's dropout)."""
-    for reasons in run_distributed(_explain_tp2, 2, sequence_parallel):
-        assert reasons, "under TP the collectives must stay eager"
-        assert all("disable" in r for r in reasons), reasons
+    collectives, which dynamo could trace but then ``comm``'s observers (the flight recorder)
+    would not see them run, and the TP dropout stream's switch around attention (and SP's
+    dropout)."""
+    for breaks, compiled, eager in run_distributed(_tp2, 2, sequence_parallel):
+        assert breaks == {"eager_apply", "_on_stream"}
+        assert compiled == eager
+        if not sequence_parallel:  # a pass: dense and fc2 forward, qkv and fc1 backward
+            assert eager == {"all_reduce": 8}
 
 
 def _compiled_run(argv: tuple[str, ...]) -> tuple:
