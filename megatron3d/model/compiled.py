@@ -19,9 +19,12 @@ regions between them:
 
 At TP = 1 without CP a layer is therefore one graph, with no break (``tests/model/
 test_compile.py`` asks ``torch._dynamo.explain``). Masks come from the saved generator states
-(the graph draws its seeds from the default generator), so a compiled run resumes bitwise;
-they are not eager's masks (``torch._inductor.config.fallback_random`` would make them so, by
-giving up fused random numbers). Shapes are static: a layer sees [s, b, h] with b the
+(a graph draws from the default generator), so a compiled run resumes bitwise. On the CPU
+inductor calls torch's own random ops (``fallback_random``): its generated random numbers
+there cost more than the rest of a layer (``benchmarks/compile.py --inductor-random``: the
+large model with dropout 0.1 went from 0.77x eager's step time to 1.22x), and hidden
+dropout's masks are then eager's. On a GPU its fused Philox numbers are kept: masks differ
+from eager's there. Shapes are static: a layer sees [s, b, h] with b the
 micro-batch size, which batch-size rampup never changes (it changes how many micro-batches a
 step runs), so nothing recompiles during a run; evaluation (no grad, eval mode) compiles once
 more. Layers of one stage share their graphs: dynamo takes a module's parameters as inputs.
@@ -61,9 +64,13 @@ def cache_dir(given: str | None, save: str | None) -> str | None:
     return str(Path(save) / "compile-cache") if save else None
 
 
-def use_cache_dir(path: str | None) -> None:
-    """Point inductor's caches (kernels, FX and AOT graphs) at ``path``; inductor reads the
-    variable whenever it looks a cache up, so this holds from the first compile on."""
-    if path is not None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        os.environ[CACHE_ENV] = path
+def configure(cache: str | None, device: torch.device) -> None:
+    """Set the process's inductor up for a run on ``device``: its caches (kernels, FX and
+    AOT graphs) in ``cache`` (inductor reads the variable whenever it looks a cache up, so
+    this holds from the first compile on), torch's random ops on the CPU (docstring above)."""
+    if cache is not None:
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        os.environ[CACHE_ENV] = cache
+    import torch._inductor.config as inductor  # here: importing inductor takes seconds
+
+    inductor.fallback_random = device.type == "cpu"

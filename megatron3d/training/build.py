@@ -112,8 +112,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
         local = _wrapped(given.local, local)
         directory = local.restore(directory)
     if cfg.model.compile:  # before the first forward compiles anything
-        compiled.use_cache_dir(compiled.cache_dir(cfg.checkpoint.compile_cache_dir,
-                                                  cfg.checkpoint.save))
+        compiled.configure(compiled.cache_dir(cfg.checkpoint.compile_cache_dir,
+                                              cfg.checkpoint.save), dev)
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel,

@@ -134,6 +134,12 @@ def test_compiled_masks_come_from_the_default_generator():
     assert not torch.equal(first, second) and torch.equal(run(x, None), first)
 
 
+def test_on_the_cpu_hidden_dropout_draws_eager_masks():
+    """``fallback_random``: inductor calls torch's dropout, which draws eager's masks."""
+    argv = train_argv("gpt2", 3, "--hidden-dropout", "0.1", *EQUIVALENCE_FLAGS)
+    assert_same_run(train_single([*argv, *COMPILE]), train_single(argv), FP32)
+
+
 def _resume(directory: str, extra: tuple[str, ...]) -> dict:
     argv = [*train_argv("gpt2", 6, *DROPOUT, *COMPILE, *extra)]
     runs = {"continuous": train(argv),
