@@ -73,7 +73,7 @@ def test_a_layer_is_one_graph_at_tp1(flavour, recompute):
     assert explained.graph_count == 1
 
 
-def _tp2(sequence_parallel: bool) -> tuple[set[str], list[dict], list[dict]]:
+def _tp2(sequence_parallel: bool) -> tuple[set[str], dict, dict]:
     """The functions a compiled layer breaks at, and what ``comm`` was told of two forward
     and backward passes of the compiled layer and of the same passes eager."""
     tp = ParallelState.build(2, 1).tp
