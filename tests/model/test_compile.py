@@ -73,33 +73,37 @@ def test_a_layer_is_one_graph_at_tp1(flavour, recompute):
     assert explained.graph_count == 1
 
 
-def _tp2(sequence_parallel: bool) -> tuple[set[str], dict, dict]:
-    """The functions a compiled layer breaks at, and what ``comm`` was told of two forward
-    and backward passes of the compiled layer and of the same passes eager."""
+def _tp2() -> list[tuple[set[str], dict, dict]]:
+    """Without and with SP: the functions a compiled layer breaks at, and what ``comm`` was
+    told of two forward and backward passes of the compiled layer and of the same eager."""
     tp = ParallelState.build(2, 1).tp
-    compiled, eager = (_layer("gpt2", tp, sequence_parallel, compile=c) for c in (True, False))
-    x = torch.randn(8 if sequence_parallel else 16, 2, 32, requires_grad=True)
-    reasons = dynamo.explain(compiled._block)(x, None).break_reasons
-    told = []
-    for layer in (compiled, eager):
-        with traffic.observing(traffic.CommCounter()) as counter:
-            for _ in range(2):
-                layer(x).sum().backward()
-        told.append(dict(counter.calls))
-    return {re.search(r"function `<function (\w+)", str(r.reason))[1] for r in reasons}, *told
+    found = []
+    for sequence_parallel in (False, True):
+        compiled, eager = (_layer("gpt2", tp, sequence_parallel, compile=c)
+                           for c in (True, False))
+        x = torch.randn(8 if sequence_parallel else 16, 2, 32, requires_grad=True)
+        reasons = dynamo.explain(compiled._block)(x, None).break_reasons
+        told = []
+        for layer in (compiled, eager):
+            with traffic.observing(traffic.CommCounter()) as counter:
+                for _ in range(2):
+                    layer(x).sum().backward()
+            told.append(dict(counter.calls))
+        found.append(({re.search(r"function `<function (\w+)", str(r.reason))[1]
+                       for r in reasons}, *told))
+    return found
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_under_tp_a_layer_breaks_only_at_its_collectives(sequence_parallel):
+def test_under_tp_a_layer_breaks_only_at_its_collectives():
     """Each break is a call run eagerly on purpose (``torch.compiler.disable``): the
     collectives, which dynamo could trace but then ``comm``'s observers (the flight recorder)
     would not see them run, and the TP dropout stream's switch around attention (and SP's
     dropout)."""
-    for breaks, compiled, eager in run_distributed(_tp2, 2, sequence_parallel):
-        assert breaks == {"eager_apply", "_on_stream"}
-        assert compiled == eager
-        if not sequence_parallel:  # a pass: dense and fc2 forward, qkv and fc1 backward
-            assert eager == {"all_reduce": 8}
+    for per_rank in run_distributed(_tp2, 2):
+        (breaks, compiled, eager), (sp_breaks, sp_compiled, sp_eager) = per_rank
+        assert breaks == sp_breaks == {"eager_apply", "_on_stream"}
+        assert compiled == eager == {"all_reduce": 8}  # a pass: dense, fc2 fwd; qkv, fc1 bwd
+        assert sp_compiled == sp_eager
 
 
 def _compiled_run(argv: tuple[str, ...]) -> tuple:
