@@ -70,6 +70,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_ranges(cfg)
     _check_data(cfg.data, cfg.model)
     _check_model(cfg.model)
+    if cfg.checkpoint.compile_cache_dir and not cfg.model.compile:
+        raise _error("the compile cache is only used by compiled layers",
+                     {"compile_cache_dir": cfg.checkpoint.compile_cache_dir},
+                     "add --compile or drop --compile-cache-dir")
     _check_precision(cfg.precision)
     if cfg.parallel.zero_stage not in ZERO_STAGES:
         raise _error("unknown ZeRO stage", {"zero_stage": cfg.parallel.zero_stage},

@@ -37,6 +37,8 @@ BAD = {
     "missing hidden": ({"hidden_size": None}, 1, ["--hidden-size=None"]),
     "missing heads": ({"num_attention_heads": None}, 1, ["--num-attention-heads=None"]),
     "missing seq": ({"seq_length": None}, 1, ["--seq-length=None"]),
+    "compile cache without compile": ({"compile_cache_dir": "/tmp/c"}, 1, [
+        "--compile-cache-dir=/tmp/c", "add --compile"]),
     "missing micro batch": ({"micro_batch_size": None}, 1, ["--micro-batch-size=None"]),
     "missing lr": ({"lr": None}, 1, ["--lr=None"]),
     "no run length": ({"train_iters": None}, 1, ["--train-iters=None", "--train-samples=None"]),

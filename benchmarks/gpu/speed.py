@@ -24,9 +24,10 @@ from megatron3d.data.mock import MockGPTDataset
 MFU_TARGET = 45.0
 
 
-def _megatron3d(shape: single.Shape, dev: torch.device, warmup: int,
-                steps: int) -> tuple[hf_loop.Timed, dict[str, torch.Tensor], ModelConfig]:
-    """megatron3d's run timed after ``warmup`` steps; its initial weights; its model."""
+def megatron3d(shape: single.Shape, dev: torch.device, warmup: int, steps: int,
+               *extra: str) -> tuple[hf_loop.Timed, dict[str, torch.Tensor], ModelConfig]:
+    """megatron3d's run (``extra`` flags added) timed after ``warmup`` steps; its initial
+    weights; its model."""
     losses: list[torch.Tensor] = []
     marks: dict[str, float] = {}
 
@@ -37,7 +38,8 @@ def _megatron3d(shape: single.Shape, dev: torch.device, warmup: int,
             marks["start"] = time.perf_counter()
 
     with single.process_group():
-        trainer, state = single.build(single.argv(shape, warmup + steps), dev, on_step)
+        trainer, state = single.build(single.argv(shape, warmup + steps, *extra), dev,
+                                      on_step)
         weights = single.host_weights(trainer, state)
         built = time.perf_counter()
         trainer.run()
@@ -83,7 +85,7 @@ def run(ctx: Context) -> SectionResult:
     dev = ctx.device()
     shape, warmup, steps = (single.TINY, 1, 2) if ctx.cpu else (single.GPT_1_3B, 2, 5)
     peak = devices.peak_tflops(dev)
-    ours, weights, model = _megatron3d(shape, dev, warmup, steps)
+    ours, weights, model = megatron3d(shape, dev, warmup, steps)
     ours_flops = flops_per_iteration(model, shape.global_batch, model.padded_vocab_size(1))
     rows = [_row("megatron3d", ours, ours_flops.model, shape, peak)]
     theirs_flops = flops_per_iteration(model, shape.global_batch, model.vocab_size).model

@@ -63,7 +63,8 @@ def _by_value(name: str, values: Mapping[str, CompatFlag], other: str) -> Compat
     return CompatFlag(name, "refuse", other, 1, values=values)
 
 
-_NO_FUSION = "megatron3d has no hand-fused kernels to switch (torch kernels, apex when found)"
+_NO_FUSION = ("megatron3d has no hand-fused kernels to switch (torch kernels, apex when found); "
+              "--compile fuses a layer's elementwise work")
 _ALWAYS_TB = "always written to TensorBoard when --tensorboard-dir is given"
 _LAYOUT_FREE = "checkpoints are already layout-independent: any layout loads any other"
 _NO_MOE = ("mixture-of-experts models are not supported: drop the MoE flags (a dense model "

@@ -97,6 +97,11 @@ class ModelConfig:
         "transformer block and keeps only its input; selective re-runs only the attention "
         "core (QK^T, softmax, dropout, @V), whose s x s scores would cost the most memory, "
         "for a few percent more compute.")
+    compile: bool = option(
+        False, "Compile each transformer layer with torch.compile (inductor): its elementwise "
+        "work is fused between the tensor-parallel collectives, which stay eager; the "
+        "embedding and the head stay eager too. Dropout masks differ from an eager run's but "
+        "come from the same saved random states, so a resume stays bitwise.")
 
     @property
     def ffn_size(self) -> int:

@@ -92,6 +92,10 @@ class CheckpointConfig:
         False, "Let --save hold another run's checkpoints: this run starts a new series there "
         "and 'latest' follows it; the other checkpoints stay, except one at an iteration this "
         "run saves, which it replaces.")
+    compile_cache_dir: str | None = option(
+        None, "Where --compile keeps its compiled kernels and graphs, reused by the next run "
+        "(a warm start); default TORCHINDUCTOR_CACHE_DIR when set, else SAVE/compile-cache "
+        "with --save, else torch's own temporary directory.")
     load: str | None = option(
         None, "Resume from the newest checkpoint here; an empty or missing directory starts "
         "from scratch, so a requeued job can rerun the same command.")

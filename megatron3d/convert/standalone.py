@@ -99,7 +99,8 @@ def model_of(reader: CheckpointReader, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> LoadedModel:
     """The checkpoint ``reader`` has open as one model (a tool that already checked it)."""
     cfg = checkpoint_config(reader)
-    model = build_gpt(LayerContext(cfg.model, AxisGroup.single(), cfg.training.seed, dtype,
+    eager = dataclasses.replace(cfg.model, compile=False)  # generation's lengths vary
+    model = build_gpt(LayerContext(eager, AxisGroup.single(), cfg.training.seed, dtype,
                                    torch.device(device)))
     with torch.no_grad():
         for p in model.parameters():

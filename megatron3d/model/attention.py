@@ -21,10 +21,19 @@ from torch.utils.checkpoint import checkpoint
 from megatron3d.cp.attention import context_attention
 from megatron3d.cp.layout import rank_index
 from megatron3d.cp.tokens import TokenInfo
+from megatron3d.model.compiled import eager
 from megatron3d.model.context import LayerContext
 from megatron3d.model.grouped_attention import attention
 from megatron3d.model.positional import apply_rotary, rotary_tables
 from megatron3d.mpu.layers import ColumnParallelLinear, RowParallelLinear
+
+_checkpoint = eager(checkpoint)  # around a switch of dropout stream, which stays eager
+
+
+@eager
+def _context_attention(*args: object) -> torch.Tensor:
+    """``context_attention``, eager under --compile: its exchanges are collectives."""
+    return context_attention(*args)
 
 
 class SelfAttention(nn.Module):
@@ -79,8 +88,7 @@ class SelfAttention(nn.Module):
             k, v = k.contiguous(), v.contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or G/tp, s, d]
         if self.selective and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, info, use_reentrant=False,
-                             context_fn=self.ctx.recompute_contexts)
+            out = self._recomputed_core(q, k, v, info)
         else:
             out = self._core(q, k, v, info)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
@@ -96,23 +104,40 @@ class SelfAttention(nn.Module):
         return tuple(t.view(t.shape[0], t.shape[-1])[rows].unsqueeze(2)
                      for t in (self.rope_cos, self.rope_sin))
 
+    def _recomputed_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         info: TokenInfo | None) -> torch.Tensor:
+        """``_core`` under selective recompute. Compiled with the layer, the compiler
+        recomputes it in the layer's backward; with a switch of dropout stream inside, torch's
+        checkpoint runs eagerly and replays the TP stream (``recompute_contexts``)."""
+        if self.ctx.cfg.compile and not self.ctx.switches_stream(self._draws()):
+            return checkpoint(self._core, q, k, v, info, use_reentrant=False)
+        return _checkpoint(self._core, q, k, v, info, use_reentrant=False,
+                           context_fn=self.ctx.recompute_contexts)
+
+    def _draws(self) -> bool:
+        return self.training and self.dropout_p > 0
+
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               info: TokenInfo | None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask or ALiBi) v, with attention dropout: q
         [b, heads, s, d], k and v [b, G/tp, s, d] (shared by each group's query heads, not
         copied) -> [b, heads, s, d]. What selective recompute re-runs. Given ``info`` (a
         split sequence, packed documents) the mask and bias come from it (``cp/``)."""
-        dropout = self.dropout_p if self.training else 0.0
+        dropout = self.dropout_p if self._draws() else 0.0
+        # each TP rank drops out its own heads
+        return self.ctx.on_tp_stream(self._attend, q, k, v, info, dropout, draws=dropout > 0)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                info: TokenInfo | None, dropout: float) -> torch.Tensor:
         cp = self.ctx.cp
-        with self.ctx.tp_region_rng():  # each TP rank drops out its own heads
-            if info is None or (cp.size == 1 and info.doc_ids is None):
-                # the whole sequence, one attention span (positions restarting at documents
-                # only move RoPE and learned positions): the kernel's own causal mask
-                bias = (None if self.alibi is None
-                        else self.alibi.get(q.shape[2], q.dtype, q.device))
-                return attention(q, k, v, bias, dropout)
-            slopes = None
-            if self.alibi is not None:  # the distance in the sequence, whatever the positions
-                slopes = self.alibi.slopes.to(q.device)
-                info = TokenInfo(info.index, doc_ids=info.doc_ids)
-            return context_attention(q, k, v, info, cp, slopes, dropout, self.ctx.cp_comm_type)
+        if info is None or (cp.size == 1 and info.doc_ids is None):
+            # the whole sequence, one attention span (positions restarting at documents only
+            # move RoPE and learned positions): the kernel's own causal mask
+            bias = (None if self.alibi is None
+                    else self.alibi.get(q.shape[2], q.dtype, q.device))
+            return attention(q, k, v, bias, dropout)
+        slopes = None
+        if self.alibi is not None:  # the distance in the sequence, whatever the positions
+            slopes = self.alibi.slopes.to(q.device)
+            info = TokenInfo(info.index, doc_ids=info.doc_ids)
+        return _context_attention(q, k, v, info, cp, slopes, dropout, self.ctx.cp_comm_type)

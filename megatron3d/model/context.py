@@ -10,15 +10,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from megatron3d.config import ModelConfig
+from megatron3d.model.compiled import eager
 from megatron3d.model.positional import AlibiBias, alibi_slopes
 from megatron3d.mpu.random import RNGStreams
 from megatron3d.mpu.state import AxisGroup
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,18 @@ class LayerContext:
     cp: AxisGroup = AxisGroup.single()
     cp_comm_type: str = "p2p"
 
-    def tp_region_rng(self) -> contextlib.AbstractContextManager:
-        """Where dropout acts on TP-split activations: a stream that differs per TP rank."""
-        return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+    def on_tp_stream(self, fn: Callable[..., T], *args: object, draws: bool = True) -> T:
+        """``fn(*args)`` with its dropout drawn from a stream that differs per TP rank (where
+        dropout acts on TP-split activations), ``draws`` saying whether it draws at all.
+        Under --compile at TP = 1 the default stream serves, with no switch to break the
+        compiled layer (``model/compiled.py``)."""
+        if not self.switches_stream(draws):
+            return fn(*args)
+        return _on_stream(self.rng, fn, *args)
+
+    def switches_stream(self, draws: bool) -> bool:
+        """Whether ``on_tp_stream`` swaps generators (host-side work, eager under --compile)."""
+        return self.rng is not None and draws and not (self.cfg.compile and self.tp.size == 1)
 
     @property
     def param_device(self) -> torch.device | None:
@@ -72,13 +85,10 @@ class LayerContext:
         first = self.tp.rank * heads
         return AlibiBias(alibi_slopes(self.cfg.num_attention_heads)[first:first + heads])
 
-    def sequence_shard_rng(self) -> contextlib.AbstractContextManager:
-        """Dropout on activations: sequence-sharded ones (SP) differ per TP rank, replicated
-        ones must draw the same mask on every TP rank (the shared default stream)."""
-        return self.tp_region_rng() if self.sequence_parallel else contextlib.nullcontext()
-
     def hidden_dropout(self, x: torch.Tensor, training: bool) -> torch.Tensor:
-        """``--hidden-dropout`` on the residual stream, drawn as ``sequence_shard_rng`` says.
+        """``--hidden-dropout`` on the residual stream. Sequence-sharded activations (SP)
+        differ per TP rank, so their masks do too (``on_tp_stream``); replicated ones must
+        draw the same mask on every TP rank (the shared default stream).
 
         ``native_dropout`` draws the mask ``F.dropout`` would, but keeps it for backward as
         one byte per element on every device (``F.dropout`` on the CPU keeps it in the
@@ -87,8 +97,9 @@ class LayerContext:
         p = self.cfg.hidden_dropout
         if not training or p == 0.0:
             return x
-        with self.sequence_shard_rng():
-            return torch.native_dropout(x, p, True)[0]
+        if self.sequence_parallel:
+            return self.on_tp_stream(_dropout, x, p)
+        return _dropout(x, p)
 
     def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
         """``context_fn`` for torch's checkpoint, called at forward time: the checkpoint
@@ -105,6 +116,18 @@ class LayerContext:
         """Keyword arguments shared by every mpu parallel layer."""
         return {"tp": self.tp, "seed": self.seed, "params_dtype": self.params_dtype,
                 "device": self.param_device, "draw_weights": self.draw_weights}
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.native_dropout(x, p, True)[0]
+
+
+@eager
+def _on_stream(rng: RNGStreams, fn: Callable[..., T], *args: object) -> T:
+    """A stream switch is a host-side swap of the default generator: eager under --compile,
+    a boundary between the layer's compiled regions."""
+    with rng.fork():
+        return fn(*args)
 
 
 @contextlib.contextmanager

@@ -49,8 +49,9 @@ def layer_table(model: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
     model). With real data the vocabulary is not known yet and counts as one token: it
     changes no layer's type and leaves every count > 0, so partitions are the same."""
     bare = dataclasses.replace(model, vocab_size=model.vocab_size or 1,
-                               checkpoint_activations=False, recompute_granularity=None)
-    if bare != model:  # recompute changes no parameter: one table for every setting
+                               checkpoint_activations=False, recompute_granularity=None,
+                               compile=False)
+    if bare != model:  # recompute and --compile change no parameter: one table for all
         return layer_table(bare)
     ctx = LayerContext(model, AxisGroup.single(), seed=0)
     return (tuple(spec.type_name for spec in gpt_layer_specs(ctx)),

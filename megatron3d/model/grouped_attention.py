@@ -24,7 +24,9 @@ Numerics against copying, measured on the CPU (``tests/model/test_grouped_attent
 the output and the query gradient are bitwise the same, dropout masks included; the key and
 value gradients sum a group's query heads inside the kernel instead of after it (another
 order in fp32; in bf16 the CPU's flash kernel rounds its running sum more often). The CUDA
-kernels' figures come from ``python -m benchmarks.grouped_attention`` on a GPU.
+kernels' figures come from ``python -m benchmarks.grouped_attention`` on a GPU. Inside a
+compiled layer (``--compile``) SDPA gets the groups as they are (``enable_gqa``): the kernel
+choice is the compiler's, and asking for it here would break the graph.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     q [b, n, s, d], k and v [b, G, s, d] with G dividing n, bias [1, n, s, s] -> [b, n, s, d]."""
     if k.shape[1] == q.shape[1]:
         return _sdpa(q, k, v, bias, dropout_p)
+    if torch.compiler.is_compiling():  # --compile: the compiler picks the kernel and fuses
+        return _sdpa(q, k, v, bias, dropout_p, enable_gqa=True)
     path = grouped_path(q, k, v, bias, dropout_p)
     if path is Path.KERNEL:
         return _sdpa(q, k, v, bias, dropout_p, enable_gqa=True)

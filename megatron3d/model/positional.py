@@ -101,7 +101,10 @@ class AlibiBias:
         self._built: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def get(self, seq_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The bias [1, n/tp, s, s] for ``seq_length`` tokens."""
+        """The bias [1, n/tp, s, s] for ``seq_length`` tokens; inside a compiled layer
+        made in its graph, which a cache kept here would break (``model/compiled.py``)."""
+        if torch.compiler.is_compiling():
+            return alibi_causal_bias(self.slopes, seq_length, dtype, device)
         bias = self._built.get((dtype, device))
         if bias is None or bias.shape[-1] < seq_length:
             bias = alibi_causal_bias(self.slopes, seq_length, dtype, device)

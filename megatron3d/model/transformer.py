@@ -8,6 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron3d.cp.tokens import TokenInfo
 from megatron3d.model.attention import SelfAttention
+from megatron3d.model.compiled import compiled
 from megatron3d.model.context import LayerContext
 from megatron3d.model.mlp import MLP
 from megatron3d.model.norm import Norm
@@ -15,7 +16,9 @@ from megatron3d.model.norm import Norm
 
 class TransformerLayer(nn.Module):
     """A pipeline layer; under full recompute (``--recompute-granularity full`` or
-    ``--checkpoint-activations``) it keeps only its input and is re-run in backward."""
+    ``--checkpoint-activations``) it keeps only its input and is re-run in backward. Under
+    --compile its computation (``_block``) is compiled, the module and its hooks stay eager
+    (``model/compiled.py``)."""
 
     def __init__(self, ctx: LayerContext, layer_number: int) -> None:
         super().__init__()
@@ -27,14 +30,15 @@ class TransformerLayer(nn.Module):
         self.recompute = ctx.cfg.recompute == "full"
         self.ctx = ctx
         self.rng = ctx.rng  # the dropout streams this layer draws from
+        self._run = compiled(self._block) if ctx.cfg.compile else self._block
 
     takes_token_info = True  # attention reads where the tokens sit (Stage.forward)
 
     def forward(self, x: torch.Tensor, info: TokenInfo | None = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():  # info passed in: the re-run sees it
-            return checkpoint(self._block, x, info, use_reentrant=False,
+            return checkpoint(self._run, x, info, use_reentrant=False,
                               context_fn=self._recompute_contexts)
-        return self._block(x, info)
+        return self._run(x, info)
 
     def _recompute_contexts(self) -> tuple:
         """torch's checkpoint replays the default RNG; this replays the TP dropout stream."""

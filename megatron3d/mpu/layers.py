@@ -24,6 +24,7 @@ from megatron3d.mpu import comm
 from megatron3d.mpu.init import Constant, Init, Normal, fill
 from megatron3d.mpu.mappings import (
     copy_to_tp_region,
+    eager_apply,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
@@ -110,7 +111,7 @@ def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor,
     """A column-parallel linear on a sequence-parallel input [s/tp, b, in] -> [s, b, out/tp]."""
     if tp.size == 1:
         return F.linear(x, weight, bias)
-    return _SequenceGatherLinear.apply(x, weight, bias, tp)
+    return eager_apply(_SequenceGatherLinear, x, weight, bias, tp)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -17,7 +17,9 @@ regions, replacing each all-reduce by a reduce-scatter plus an all-gather:
 (The all-gather in front of a column-parallel linear is part of the linear,
 ``layers.linear_with_sequence_gather``, so that only the shard is kept for backward.)
 
-On a size-1 axis every function is the identity and adds no autograd node.
+On a size-1 axis every function is the identity and adds no autograd node. Otherwise each
+runs eagerly inside code compiled by ``--compile`` (``eager_apply``): the collectives go
+through ``comm.py`` as always, and the compiled regions lie between them.
 ``reduce_from_tp_region`` sums its input in place (no copy of the activation): the input must
 be a fresh partial result that nothing else uses, and autograd's version counter stops a
 backward that would need it. Incoming gradients may be shared with other graph branches, so
@@ -32,6 +34,12 @@ import torch
 
 from megatron3d.mpu import comm
 from megatron3d.mpu.state import AxisGroup
+
+
+@torch.compiler.disable
+def eager_apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``, never traced: a boundary between compiled regions."""
+    return fn.apply(*args)
 
 
 def _split_last(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
@@ -87,23 +95,23 @@ class _GatherFromTP(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+    return x if tp.size == 1 else eager_apply(_CopyToTP, x, tp)
 
 
 def reduce_from_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     """Leave a TP region by summing partial results: all-reduce forward (in place: ``x`` is
     consumed), identity backward."""
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+    return x if tp.size == 1 else eager_apply(_ReduceFromTP, x, tp)
 
 
 def scatter_to_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     """Keep this rank's chunk of the last dim: split forward, all-gather backward."""
-    return x if tp.size == 1 else _ScatterToTP.apply(x, tp)
+    return x if tp.size == 1 else eager_apply(_ScatterToTP, x, tp)
 
 
 def gather_from_tp_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     """Concatenate every rank's last-dim chunk: all-gather forward, split backward."""
-    return x if tp.size == 1 else _GatherFromTP.apply(x, tp)
+    return x if tp.size == 1 else eager_apply(_GatherFromTP, x, tp)
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -131,8 +139,8 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 def scatter_to_sequence_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
-    return x if tp.size == 1 else _ScatterToSequence.apply(x, tp)
+    return x if tp.size == 1 else eager_apply(_ScatterToSequence, x, tp)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp)
+    return x if tp.size == 1 else eager_apply(_ReduceScatterToSequence, x, tp)

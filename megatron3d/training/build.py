@@ -31,6 +31,7 @@ from megatron3d.data.documents import Documents
 from megatron3d.data.sampler import MicroBatch, TokenDataset, micro_batches
 from megatron3d.data.vocab_padding import check_vocab_padding
 from megatron3d.log import every_rank_logger, get_logger
+from megatron3d.model import compiled
 from megatron3d.model.context import LayerContext
 from megatron3d.model.gpt import gpt_layer_specs, layer_param_counts, lm_loss, split_layers
 from megatron3d.mpu.random import RNGStreams
@@ -110,6 +111,9 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, dev: torch.device,
     if local is not None:
         local = _wrapped(given.local, local)
         directory = local.restore(directory)
+    if cfg.model.compile:  # before the first forward compiles anything
+        compiled.configure(compiled.cache_dir(cfg.checkpoint.compile_cache_dir,
+                                              cfg.checkpoint.save), dev)
     ctx = LayerContext(cfg.model, state.tp, cfg.training.seed,
                        getattr(torch, cfg.precision.params_dtype_name), dev, rng,
                        sequence_parallel=cfg.parallel.sequence_parallel,

@@ -48,12 +48,16 @@ def build(argv: list[str], overrides: Overrides | None = None, *,
 
 def train(argv: list[str], *, directed_links: bool | None = None,
           overrides: Overrides | None = None) -> RunResult:
-    """Train with ``argv`` on the already-initialised process group (all ranks call this)."""
+    """Train with ``argv`` on the already-initialised process group (all ranks call this);
+    ``overrides``' own ``on_step`` is called after this function's recording."""
     losses, norms = [], []
+    also = overrides.hooks.on_step if overrides else None
 
-    def record(_: int, result) -> None:
+    def record(iteration: int, result) -> None:
         losses.append(result.loss)
         norms.append(result.stats.grad_norm)
+        if also is not None:
+            also(iteration, result)
 
     trainer, state = build(argv, overrides, directed_links=directed_links, on_step=record)
     trainer.run()
