@@ -1,17 +1,19 @@
 """How much faster is a training step with compiled layers (--compile), and how long does
 compiling take, cold and from the cache?
 
-For each model (the quickstart's shape, and a larger one: 8 layers, hidden 512, seq 512) one
-fresh process builds the eager trainer and the compiled one (same weights, same
-micro-batches: pretrain_gpt.py's trainer stepped by ``train_step``) into an empty compile
-cache, and times their steps interleaved (eager, compiled, eager, ...), so machine noise hits
-both alike: the ratio of median step times, target <= 0.90, in wall time and in the
-process's CPU time (which other jobs on a shared machine disturb less). The compiled
-trainer's first step less its median is the cold compile (target <= 60 s). A second fresh
-process over the same cache times the warm start the same way (target <= 10 s).
+For each model (the quickstart's shape, and a larger one: 8 layers, hidden 512, seq 512;
+each with the quickstart's GPT-2 layer and with Llama's: RMSNorm, RoPE, SwiGLU) one fresh
+process builds the eager trainer and the compiled one (same weights, same micro-batches:
+pretrain_gpt.py's trainer stepped by ``train_step``) into an empty compile cache, and times
+their steps interleaved (eager, compiled, eager, ...), so machine noise hits both alike: the
+ratio of median step times, target <= 0.90, in wall time and in the process's CPU time
+(which other jobs on a shared machine disturb less). The compiled trainer's first step less
+its median is the cold compile (target <= 60 s). A second fresh process over the same cache
+times the warm start the same way (target <= 10 s).
 
-    python -m benchmarks.compile                       # both models, one thread each
-    python -m benchmarks.compile --models quickstart --steps 10
+    python -m benchmarks.compile                       # both shapes x both flavours, 1 thread
+    python -m benchmarks.compile --models quickstart --flavours gpt2 --steps 10
+    python -m benchmarks.compile --precision bf16
     python -m benchmarks.compile --dropout 0.1 --inductor-random   # inductor's own RNG on the CPU
 """
 
@@ -39,15 +41,24 @@ MODELS = {  # layers, hidden, heads, seq, micro-batch, vocab
     "quickstart": (2, 64, 4, 64, 4, 2048),
     "large": (8, 512, 8, 512, 1, 8192),
 }
+FLAVOURS = {  # the quickstart's GPT-2 layer (LayerNorm, GeLU), and Llama's
+    "gpt2": (),
+    "llama": ("--position-embedding-type", "rope", "--normalization", "rmsnorm", "--swiglu",
+              "--untie-embeddings-and-output-weights", "--disable-bias-linear"),
+}
 
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="quickstart,large", help="comma-separated: "
                    + ", ".join(MODELS))
+    p.add_argument("--flavours", default="gpt2,llama", help="comma-separated: "
+                   + ", ".join(FLAVOURS))
     p.add_argument("--steps", type=int, default=6, help="timed steps of each trainer")
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the layers' dtype (bf16/fp16: mixed precision, fp32 master weights)")
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--inductor-random", action="store_true",
                    help="inductor's generated random numbers instead of torch's random ops "
@@ -56,12 +67,16 @@ def _args() -> argparse.Namespace:
 
 
 def _argv(model: str, a: argparse.Namespace, *extra: str) -> list[str]:
-    layers, hidden, heads, seq, micro, vocab = MODELS[model]
+    """``model`` is SHAPE/FLAVOUR."""
+    shape, flavour = model.split("/")
+    layers, hidden, heads, seq, micro, vocab = MODELS[shape]
     return ["--num-layers", str(layers), "--hidden-size", str(hidden),
             "--num-attention-heads", str(heads), "--seq-length", str(seq),
             "--micro-batch-size", str(micro), "--global-batch-size", str(micro * a.micro_batches),
             "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--vocab-size", str(vocab),
-            "--hidden-dropout", str(a.dropout), "--attention-dropout", str(a.dropout), *extra]
+            "--hidden-dropout", str(a.dropout), "--attention-dropout", str(a.dropout),
+            *([f"--{a.precision}"] if a.precision != "fp32" else []), *FLAVOURS[flavour],
+            *extra]
 
 
 def _trainer(argv: list[str], state: ParallelState) -> Trainer:
@@ -118,10 +133,11 @@ def _report(model: str, cold: dict, warm: dict) -> str:
 
 def main() -> None:
     a = _args()
-    sys.stdout.write(f"load average {os.getloadavg()}, threads {a.threads}, dropout "
-                     f"{a.dropout}, inductor random {a.inductor_random}, torch "
+    sys.stdout.write(f"load average {os.getloadavg()}, threads {a.threads}, {a.precision}, "
+                     f"dropout {a.dropout}, inductor random {a.inductor_random}, torch "
                      f"{torch.__version__}\n")
-    for model in a.models.split(","):
+    models = [f"{m}/{f}" for m in a.models.split(",") for f in a.flavours.split(",")]
+    for model in models:
         with tempfile.TemporaryDirectory(prefix="m3d_compile_cache_") as cache:
             [cold] = spawn(_measure, 1, model, a, cache, True, timeout_s=3600)
             [warm] = spawn(_measure, 1, model, a, cache, False, timeout_s=3600)

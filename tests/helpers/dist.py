@@ -92,9 +92,10 @@ def _check_deaths(procs: list, results: dict, dead_since: dict) -> None:
 
 
 # torch._dynamo: torch.optim's Optimizer imports it on its first construction, a CPU-second
-# in every worker that builds one; imported once here, every worker inherits it.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron3d.training.build",
-            "tests.helpers.runs"]
+# in every worker that builds one; inductor's compiler, 1.5 CPU-seconds more in every
+# worker of a --compile test. Imported once here, every worker inherits them.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
+            "megatron3d.training.build", "tests.helpers.runs"]
 
 
 def _context() -> Any:
