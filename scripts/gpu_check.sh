@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue #29): one command, about 10 minutes on one H100, a report in DIR.
+# The GPU check (issue #29): one command, about 9 minutes on one H100, a report in DIR.
 #
 #   bash scripts/gpu_check.sh --out DIR              # on a GPU machine
 #   bash scripts/gpu_check.sh --out DIR --cpu        # tiny shapes on the CPU (CI runs this)
