@@ -25,6 +25,7 @@ shards and on the gradient hop that crosses nodes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,9 +55,16 @@ def replica_nodes(parallel: ParallelConfig, replicas: int, ranks_per_node: int) 
     """Where the ``replicas`` (DP x CP) of every weight shard sit on nodes of
     ``ranks_per_node`` ranks, as ``ParallelState`` cuts them (``ConfigError`` when a node
     holds more of them than another)."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    topology = Topology(world_size=tp * pp * replicas, tp=tp, pp=pp,
-                        cp=parallel.context_parallel_size)
+    return _replica_nodes(parallel.tensor_model_parallel_size,
+                          parallel.pipeline_model_parallel_size, parallel.context_parallel_size,
+                          replicas, ranks_per_node)
+
+
+@functools.cache
+def _replica_nodes(tp: int, pp: int, cp: int, replicas: int, ranks_per_node: int) -> Nodes:
+    """Cached: the planner asks for every layout it judges, and cutting the whole world's
+    groups is most of the cost."""
+    topology = Topology(world_size=tp * pp * replicas, tp=tp, pp=pp, cp=cp)
     intra, inter = topology.node_split(topology.dp_cp_groups(), ranks_per_node)
     return Nodes(count=len(inter[0]), per_node=len(intra[0]))
 

@@ -47,9 +47,11 @@ def build(argv: list[str], overrides: Overrides | None = None, *,
 
 
 def train(argv: list[str], *, directed_links: bool | None = None,
-          overrides: Overrides | None = None) -> RunResult:
+          overrides: Overrides | None = None, evaluate_after: bool = True) -> RunResult:
     """Train with ``argv`` on the already-initialised process group (all ranks call this);
-    ``overrides``' own ``on_step`` is called after this function's recording."""
+    ``overrides``' own ``on_step`` is called after this function's recording. Without
+    ``evaluate_after`` the result's eval loss is NaN (under --compile an evaluation compiles
+    graphs of its own)."""
     losses, norms = [], []
     also = overrides.hooks.on_step if overrides else None
 
@@ -68,7 +70,8 @@ def train(argv: list[str], *, directed_links: bool | None = None,
                       for p in group)
 
     trainer.model.data_parallel.materialize(grab)
-    eval_loss = evaluate(trainer.model.engine, trainer.data.valid, 1, state.dp_cp)
+    eval_loss = (evaluate(trainer.model.engine, trainer.data.valid, 1, state.dp_cp)
+                 if evaluate_after else float("nan"))
     return RunResult([x.item() for x in losses], [x.item() for x in norms], params, eval_loss,
                      last_stage=state.is_last_stage)
 

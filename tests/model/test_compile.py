@@ -144,10 +144,12 @@ def test_compiled_masks_come_from_the_default_generator():
 
 
 def _resume(directory: str, extra: tuple[str, ...]) -> dict:
-    argv = [*train_argv("gpt2", 6, *DROPOUT, *COMPILE, *extra)]
-    runs = {"continuous": train(argv),
-            "stopped": train([*argv, "--save", directory, "--exit-interval", "3"]),
-            "resumed": train([*argv, "--load", directory])}
+    """No evaluation: it would compile its own graphs, and only training is compared."""
+    argv = [*train_argv("gpt2", 6, *DROPOUT, *COMPILE, *extra, "--eval-iters", "0")]
+    runs = {"continuous": train(argv, evaluate_after=False),
+            "stopped": train([*argv, "--save", directory, "--exit-interval", "3"],
+                             evaluate_after=False),
+            "resumed": train([*argv, "--load", directory], evaluate_after=False)}
     return runs
 
 
