@@ -13,13 +13,16 @@ from pathlib import Path
 
 from benchmarks.gpu import check, report, section, sections
 from benchmarks.gpu.sections import PLANS
+from tests.helpers.compile_cache import CACHE
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_cpu_mode_writes_every_section(tmp_path):
     out = tmp_path / "report"
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    # the compile tests' cache: inductor's precompiled header and shared kernels built once
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": CACHE}
     done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--out",
                            str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           check=False, timeout=300)
