@@ -82,13 +82,13 @@ def reference_run(argv: tuple[str, ...]) -> RunResult:
     return train_single(list(argv))
 
 
-def train_single(argv: list[str]) -> RunResult:
+def train_single(argv: list[str], evaluate_after: bool = True) -> RunResult:
     """The single-process reference, in this process."""
     from megatron3d import device as devices
 
     devices.init_process_group(devices.LaunchEnv(0, 1, 0, launched=False))
     try:
-        return train(argv)
+        return train(argv, evaluate_after=evaluate_after)
     finally:
         torch.distributed.destroy_process_group()
 
