@@ -1,7 +1,8 @@
 """megatron3d with compiled layers (``--compile``) against itself eager, bf16 on one device:
 the step time ratio (target <= 0.90), the compile's cost in the warm-up (cold, into an empty
-cache in the section's scratch directory) and the first steps' losses, which must agree to
-bf16 rounding (the same model and batches; inductor fuses, so the roundings differ)."""
+cache in the section's scratch directory; under --cpu into the process's cache) and the first
+steps' losses, which must agree to bf16 rounding (the same model and batches; inductor fuses,
+so the roundings differ)."""
 
 from __future__ import annotations
 
