@@ -120,12 +120,11 @@ def test_under_tp_a_layer_breaks_only_at_its_collectives():
         assert sp_compiled == sp_eager
 
 
-def _compiled_run(argv: tuple[str, ...], evaluate_after: bool) -> tuple:
+def _compiled_run(argv: tuple[str, ...]) -> tuple:
     """The run, and how many graphs dynamo had compiled after each step."""
     graphs: list[int] = []
     count = Hooks(on_step=lambda *_: graphs.append(counters["stats"]["unique_graphs"]))
-    return train(list(argv), overrides=Overrides(hooks=count),
-                 evaluate_after=evaluate_after), graphs
+    return train(list(argv), overrides=Overrides(hooks=count)), graphs
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -135,27 +134,25 @@ def test_compiled_trains_the_eager_model(layout):
     graphs are compared at (1,1,1) only: cold, each costs every rank a compile."""
     flavour, extra, world = LAYOUTS[layout]
     single = world == 1
-    argv = _argv(flavour, *COMPILE, *extra, *(() if single else ("--eval-iters", "0")))
+    no_eval = () if single else ("--eval-iters", "0")
+    argv = _argv(flavour, *COMPILE, *extra, *no_eval)
     same = tuple(extra) if single else ()  # the flags the eager single process takes too
-    per_rank = run_distributed(_compiled_run, world, argv, single, timeout_s=400)
+    per_rank = run_distributed(_compiled_run, world, argv, timeout_s=400)
     for _, graphs in per_rank:
         assert graphs[0] > 0 and graphs[1:] == graphs[:1] * 4, graphs
     if single:  # the layers share one graph (more would each count to the recompile limit)
         assert per_rank[0][1][0] == 1
-    expected = reference_run(_argv(flavour, *(GQA if flavour == "llama" else ()), *same))
-    merged = merge_ranks([r for r, _ in per_rank])
-    if not single:  # not evaluated (NaN): everything else is compared
-        merged = dataclasses.replace(merged, eval_loss=expected.eval_loss)
-    assert_same_run(merged, expected, FP32)
+    expected = reference_run(_argv(flavour, *(GQA if flavour == "llama" else ()), *same,
+                                   *no_eval))
+    assert_same_run(merge_ranks([r for r, _ in per_rank]), expected, FP32)
 
 
 def _resume(directory: str, extra: tuple[str, ...], dropout: tuple[str, ...]) -> dict:
     """No evaluation: it would compile its own graphs, and only training is compared."""
     argv = [*train_argv("gpt2", 6, *dropout, *COMPILE, *extra, "--eval-iters", "0")]
-    runs = {"continuous": train(argv, evaluate_after=False),
-            "stopped": train([*argv, "--save", directory, "--exit-interval", "3"],
-                             evaluate_after=False),
-            "resumed": train([*argv, "--load", directory], evaluate_after=False)}
+    runs = {"continuous": train(argv),
+            "stopped": train([*argv, "--save", directory, "--exit-interval", "3"]),
+            "resumed": train([*argv, "--load", directory])}
     return runs
 
 
@@ -186,8 +183,7 @@ def test_compiled_recompute_draws_the_same_masks():
     states: with dropout each trains the model the run without recompute trains (evaluation,
     which recompute does not touch, left out: its graphs would compile cold)."""
     argv = train_argv("llama", 3, *DROPOUT, *EQUIVALENCE_FLAGS, *COMPILE, "--eval-iters", "0")
-    plain = train_single(argv, evaluate_after=False)
+    plain = train_single(argv)
     for recompute in ("full", "selective"):
-        run = train_single([*argv, "--recompute-granularity", recompute], evaluate_after=False)
-        assert_same_run(dataclasses.replace(run, eval_loss=0.0),
-                        dataclasses.replace(plain, eval_loss=0.0), FP32)
+        assert_same_run(train_single([*argv, "--recompute-granularity", recompute]), plain,
+                        FP32)
